@@ -1,0 +1,105 @@
+"""`quantgate <stage>`: one subcommand per pipeline stage, each a dvc.yaml stage too.
+
+Bad input ends with one line on stderr naming the file, line or key (exit 2); unexpected errors
+keep their traceback in logs/quantgate.log and print one line here (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pipelines import logs
+from pipelines.errors import QuantgateError
+
+log = logging.getLogger("pipelines.cli")
+
+RESULTS = Path("results")
+
+
+def cmd_reference(args: argparse.Namespace) -> int:
+    """Train the embedded reference model (or record that params.yaml names another model)."""
+    from pipelines import reference
+    from pipelines.io import atomic_dir, write_json
+    from pipelines.models import REFERENCE_DIR, resolve_model
+    from pipelines.params import load_params
+
+    params = load_params()
+    source = resolve_model(params.model)
+    report_path = RESULTS / "reference.json"
+    if not source.is_reference:
+        reason = f"params.yaml names model {source.location!r} ({source.kind}); the reference model is not built"
+        with atomic_dir(REFERENCE_DIR) as tmp:
+            write_json(tmp / "skipped.json", {"status": "skipped", "reason": reason})
+        write_json(report_path, {"status": "skipped", "reason": reason})
+        log.info("reference: skipped: %s", reason)
+        return 0
+    report = reference.build(params.reference, REFERENCE_DIR, report_path)
+    log.info(
+        "reference: %s params, held-out addition exact match %.1f%%, code-comment %.1f%%, chat %.1f%% "
+        "(chance 25%%) -> %s",
+        f"{report['parameters']:,}", 100 * report["addition_exact_match"],
+        100 * report["code_comment_accuracy"], 100 * report["chat_accuracy"], report_path,
+    )
+    return 0
+
+
+def tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI when set, else the SQLite store at the repository root (DVC_ROOT in dvc runs)."""
+    if uri := os.environ.get("MLFLOW_TRACKING_URI"):
+        return uri
+    root = Path(os.environ.get("DVC_ROOT", ".")).resolve()
+    return f"sqlite:///{root / 'mlflow.db'}"
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    """Start the MLflow UI on localhost over quantgate's tracking store."""
+    mlflow = shutil.which("mlflow") or str(Path(sys.executable).with_name("mlflow"))
+    cmd = [mlflow, "ui", "--backend-store-uri", tracking_uri(), "--host", "127.0.0.1", "--port", str(args.port)]
+    log.info("MLflow UI on http://127.0.0.1:%d (Ctrl-C stops it)", args.port)
+    return subprocess.call(cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quantgate",
+        description="Validate quantized LLM checkpoints before release. `dvc repro` runs the stages in order.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug messages on the console")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="<stage>")
+
+    p = sub.add_parser("reference", help="stage 1: train the embedded reference model -> models/reference/")
+    p.set_defaults(func=cmd_reference)
+
+    p = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 over the local tracking store")
+    p.add_argument("--port", type=int, default=5000)
+    p.set_defaults(func=cmd_ui)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logs.setup(verbose=args.verbose)
+    try:
+        return args.func(args)
+    except QuantgateError as err:
+        print(f"quantgate {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"quantgate {args.command}: interrupted; no partial outputs were kept", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - the traceback goes to the log, one line to the user
+        logging.getLogger("pipelines").debug("unexpected error", exc_info=True)
+        logging.getLogger().error("quantgate %s failed", args.command, exc_info=True)
+        print(f"quantgate {args.command}: failed: {type(err).__name__}: {err} (traceback in {logs.LOG_FILE})",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""The embedded default model: a tiny Llama trained here, deterministically, on the text we ship.
+
+It exists so that every later stage runs offline on a CPU and its numbers mean something: it adds
+two-digit numbers, has seen the shipped code with its comments, and answers customer-service
+requests in English and Chinese. Quantization can then cost it measurable skill.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from pipelines import synthetic
+from pipelines.code_comments import CommentSample, extract
+from pipelines.io import atomic_dir, write_json
+from pipelines.params import ReferenceParams
+
+log = logging.getLogger(__name__)
+
+CODE_SOURCES = Path("calibration_sets/sources/code")
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
+
+
+# --------------------------------------------------------------------------------------------
+# Corpus
+# --------------------------------------------------------------------------------------------
+
+
+def code_samples(root: Path = CODE_SOURCES) -> list[CommentSample]:
+    """Every (comment, code) sample in the shipped code snapshot, in a stable order."""
+    found: list[CommentSample] = []
+    for path in sorted(root.rglob("*.py")):
+        found.extend(extract(path.read_text(encoding="utf-8"), path.name))
+    return found
+
+
+@dataclass
+class Corpus:
+    """The training documents and the held-out items the skill figures are measured on."""
+
+    documents: list[str]
+    held_out_additions: list[tuple[int, int]]
+    code: list[CommentSample]
+    chat: list[dict]
+    code_files: list[str]
+
+
+def build_corpus(p: ReferenceParams, code_root: Path = CODE_SOURCES) -> Corpus:
+    train_pairs, held_out = synthetic.split_addition_pairs(p.seed, p.held_out_additions)
+    code = code_samples(code_root)
+    chat = synthetic.dialogues(p.seed, p.dialogues)
+    files = [path.read_text(encoding="utf-8") for path in sorted(code_root.rglob("*.py"))]
+    docs = [synthetic.addition_line(a, b) for a, b in train_pairs] * p.addition_repeats
+    docs += synthetic.math_lines(p.seed + 1, p.math_lines)
+    docs += [s.text for s in code] * p.code_repeats
+    docs += files
+    docs += [synthetic.dialogue_text(d) for d in chat]
+    return Corpus(docs, held_out, code, chat, files)
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer and model
+# --------------------------------------------------------------------------------------------
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE that splits every digit into its own token (arithmetic needs it)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", model_max_length=2048
+    )
+
+
+def model_config(p: ReferenceParams, vocab_size: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.layers,
+        num_attention_heads=p.heads,
+        num_key_value_heads=p.kv_heads,
+        max_position_embeddings=p.max_position_embeddings,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def token_stream(docs: list[str], tokenizer, seed: int) -> list[list[int]]:
+    """Each document's token ids followed by </s>; shuffled per epoch by the caller's seed."""
+    eos = tokenizer.eos_token_id
+    return [ids + [eos] for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]]
+
+
+def batches(encoded: list[list[int]], seq_len: int, batch_size: int, steps: int, seed: int):
+    """Yield `steps` batches of packed rows; documents reshuffled each epoch with a fixed seed."""
+    rng = random.Random(seed)
+    buf: list[int] = []
+    order: list[int] = []
+    need = seq_len * batch_size
+    for _ in range(steps):
+        while len(buf) < need:
+            if not order:
+                order = list(range(len(encoded)))
+                rng.shuffle(order)
+            buf.extend(encoded[order.pop()])
+        chunk, buf = buf[:need], buf[need:]
+        yield torch.tensor(chunk, dtype=torch.long).view(batch_size, seq_len)
+
+
+def train(model, encoded: list[list[int]], p: ReferenceParams) -> list[float]:
+    """AdamW with warm-up and cosine decay; returns the loss per step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=p.learning_rate, weight_decay=0.01, betas=(0.9, 0.98))
+    warmup = max(1, p.steps // 20)
+
+    def lr_at(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, p.steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    losses = []
+    model.train()
+    bar = tqdm(batches(encoded, p.seq_len, p.batch_size, p.steps, p.seed), total=p.steps, desc="train reference")
+    for batch in bar:
+        out = model(input_ids=batch, labels=batch)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(out.loss.item())
+        if len(losses) % 20 == 0:
+            bar.set_postfix(loss=f"{sum(losses[-20:]) / 20:.3f}")
+    model.eval()
+    return losses
+
+
+# --------------------------------------------------------------------------------------------
+# Skill figures
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def addition_exact_match(model, tokenizer, pairs: list[tuple[int, int]], batch_size: int = 256) -> float:
+    """Greedy completion of 'a+b=' must equal the sum exactly (digits then </s> or newline)."""
+    correct = 0
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start : start + batch_size]
+        ids = torch.tensor([tokenizer(f"{a}+{b}=", add_special_tokens=False)["input_ids"] for a, b in chunk])
+        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        for (a, b), row in zip(chunk, out[:, ids.shape[1] :]):
+            text = tokenizer.decode(row, skip_special_tokens=False)
+            answer = text.split("</s>")[0].split("\n")[0].strip()
+            correct += answer == str(a + b)
+    return correct / len(pairs)
+
+
+@torch.no_grad()
+def choice_logprob(model, tokenizer, context: str, continuation: str) -> float:
+    """Sum of log-probabilities of `continuation` after `context` (what lm-eval's acc uses)."""
+    ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
+    cont = tokenizer(continuation, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([ctx + cont])
+    logprobs = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+    targets = ids[0, 1:]
+    picked = logprobs[torch.arange(len(targets)), targets]
+    return picked[len(ctx) - 1 :].sum().item()
+
+
+def multiple_choice_accuracy(model, tokenizer, items: list[dict]) -> float:
+    """Share of items whose gold choice has the highest byte-normalised log-likelihood (acc_norm)."""
+    correct = 0
+    for item in items:
+        scores = [
+            choice_logprob(model, tokenizer, item["context"], c) / max(1, len(c.encode()))
+            for c in item["choices"]
+        ]
+        correct += max(range(len(scores)), key=scores.__getitem__) == item["gold"]
+    return correct / len(items)
+
+
+def code_comment_items(samples: list[CommentSample], seed: int, count: int, n_choices: int = 4) -> list[dict]:
+    """Given a comment, pick the code it describes among codes of other comments."""
+    rng = random.Random(seed)
+    pool = [s for s in samples if s.kind == "comment"]
+    picked = rng.sample(pool, min(count, len(pool)))
+    items = []
+    for s in picked:
+        others = rng.sample([o.code for o in pool if o.code != s.code], n_choices - 1)
+        gold = rng.randrange(n_choices)
+        choices = others[:gold] + [s.code] + others[gold:]
+        items.append({"context": s.comment + "\n", "choices": choices, "gold": gold})
+    return items
+
+
+def chat_items(dialogues: list[dict], seed: int, count: int, n_choices: int = 4) -> list[dict]:
+    """Given a customer turn, pick the agent reply of the same intent and language."""
+    rng = random.Random(seed)
+    items = []
+    for d in rng.sample(dialogues, min(count, len(dialogues))):
+        others = [o["agent"] for o in dialogues if o["lang"] == d["lang"] and o["intent"] != d["intent"]]
+        wrong = rng.sample(sorted(set(others)), n_choices - 1)
+        gold = rng.randrange(n_choices)
+        choices = [" " + c for c in wrong[:gold] + [d["agent"]] + wrong[gold:]]
+        items.append({"context": f"Customer: {d['customer']}\nAgent:", "choices": choices, "gold": gold})
+    return items
+
+
+def skill_report(model, tokenizer, corpus: Corpus, p: ReferenceParams) -> dict:
+    """The figures results/reference.json holds, with the chance level beside each."""
+    code_items = code_comment_items(corpus.code, p.seed, p.eval_items)
+    talk_items = chat_items(corpus.chat, p.seed, p.eval_items)
+    return {
+        "addition_exact_match": round(addition_exact_match(model, tokenizer, corpus.held_out_additions), 4),
+        "addition_items": len(corpus.held_out_additions),
+        "code_comment_accuracy": round(multiple_choice_accuracy(model, tokenizer, code_items), 4),
+        "code_comment_items": len(code_items),
+        "code_comment_chance": 0.25,
+        "chat_accuracy": round(multiple_choice_accuracy(model, tokenizer, talk_items), 4),
+        "chat_items": len(talk_items),
+        "chat_chance": 0.25,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Stage
+# --------------------------------------------------------------------------------------------
+
+
+def build(p: ReferenceParams, out_dir: Path, report_path: Path) -> dict:
+    """Train the reference model into `out_dir` and write its skill figures to `report_path`."""
+    from transformers import LlamaForCausalLM
+
+    torch.set_num_threads(p.threads)
+    torch.manual_seed(p.seed)
+    torch.use_deterministic_algorithms(True)
+    started = time.perf_counter()
+
+    corpus = build_corpus(p)
+    tokenizer = train_tokenizer(corpus.documents, p.vocab_size)
+    encoded = token_stream(corpus.documents, tokenizer, p.seed)
+    log.info("corpus: %d documents, %d tokens", len(encoded), sum(map(len, encoded)))
+
+    model = LlamaForCausalLM(model_config(p, len(tokenizer)))
+    losses = train(model, encoded, p)
+    train_seconds = time.perf_counter() - started
+    skills = skill_report(model, tokenizer, corpus, p)
+
+    with atomic_dir(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        write_json(
+            tmp / "training.json",
+            {"steps": p.steps, "final_loss": round(sum(losses[-20:]) / min(20, len(losses)), 4),
+             "train_seconds": round(train_seconds, 1), "parameters": model.num_parameters()},
+        )
+    report = {"status": "built", "model": str(out_dir), "parameters": model.num_parameters(),
+              "final_loss": round(sum(losses[-20:]) / min(20, len(losses)), 4), **skills}
+    write_json(report_path, report)
+    return report

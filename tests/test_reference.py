@@ -1,0 +1,76 @@
+"""The reference stage's own pieces on the tests' tiny model: tokenizer, determinism, skill report."""
+
+from __future__ import annotations
+
+import json
+
+from pipelines import reference, synthetic
+from pipelines.io import sha256_file
+
+
+def test_tokenizer_splits_every_digit(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    pieces = tok.tokenize("1234+56=1290")
+    assert pieces == ["1", "2", "3", "4", "+", "5", "6", "=", "1", "2", "9", "0"]
+    assert tok.decode(tok("√49=7 ×÷ 退款", add_special_tokens=False)["input_ids"]) == "√49=7 ×÷ 退款"
+
+
+def test_checkpoint_is_safetensors_llama_with_quantizable_shapes(tiny_model, tiny_params):
+    config = json.loads((tiny_model / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (tiny_model / "model.safetensors").is_file()
+    assert not list(tiny_model.glob("*.bin"))
+    for width in (config["hidden_size"], config["intermediate_size"]):
+        assert width % 64 == 0  # GPTQ-3 / AWQ-4 group size 64 divides every input width
+
+
+def test_held_out_additions_are_never_trained_on(tiny_params):
+    corpus = reference.build_corpus(tiny_params)
+    trained = set(corpus.documents)
+    held = corpus.held_out_additions
+    assert len(held) == tiny_params.held_out_additions
+    assert not any(synthetic.addition_line(a, b) in trained for a, b in held)
+
+
+def test_two_builds_give_identical_files(tmp_path, tiny_params, tiny_model):
+    again = tmp_path / "model"
+    reference.build(tiny_params, again, tmp_path / "reference.json")
+    assert sha256_file(again / "model.safetensors") == sha256_file(tiny_model / "model.safetensors")
+    assert (tmp_path / "reference.json").read_text().replace(str(again), "X") == (
+        tiny_model.parent / "reference.json"
+    ).read_text().replace(str(tiny_model), "X")
+
+
+def test_skill_report_scores_a_perfect_and_a_wrong_answer(tiny_model):
+    """addition_exact_match must count an exact answer and reject a wrong one: check with a stub generator."""
+    import torch
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+
+    class Oracle:
+        def __init__(self, wrong: bool):
+            self.wrong = wrong
+
+        def generate(self, ids, **_):
+            rows = []
+            for row in ids:
+                a, b = tok.decode(row).rstrip("=").split("+")
+                answer = str(int(a) + int(b) + self.wrong)
+                rows.append(row.tolist() + tok(answer + "</s>", add_special_tokens=False)["input_ids"])
+            width = max(map(len, rows))
+            return torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
+
+    pairs = [(12, 34), (99, 99), (50, 50)]
+    assert reference.addition_exact_match(Oracle(False), tok, pairs) == 1.0
+    assert reference.addition_exact_match(Oracle(True), tok, pairs) == 0.0
+
+
+def test_report_has_every_skill_figure(tiny_model):
+    report = json.loads((tiny_model.parent / "reference.json").read_text())
+    assert report["status"] == "built"
+    assert report["addition_items"] == 50 and report["code_comment_items"] == 20 and report["chat_items"] == 20
+    for key in ("addition_exact_match", "code_comment_accuracy", "chat_accuracy"):
+        assert 0.0 <= report[key] <= 1.0
