@@ -49,6 +49,30 @@ def cmd_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Build the domain calibration sets and check their coverage against production traffic."""
+    from pipelines import calibrate
+    from pipelines.models import load_tokenizer, resolve_model
+    from pipelines.params import load_params
+
+    params = load_params()
+    source = resolve_model(params.model)
+    report = calibrate.run(params.calibration, params.coverage, load_tokenizer(source), source.location)
+    for domain, row in report["domains"].items():
+        log.info("calibrate: %-12s production %5.1f%%  calibration %5.1f%%  n-gram coverage %s%s", domain,
+                 100 * row["production_share"], 100 * row["calibration_share"],
+                 "-" if row["ngram_coverage"] is None else f"{100 * row['ngram_coverage']:.0f}%",
+                 "  UNDER-REPRESENTED" if row["under_represented"] else "")
+    log.info("calibrate: sets in %s, coverage in %s", calibrate.BUILT_DIR, calibrate.COVERAGE_DIR / "coverage.json")
+    if report["under_represented"]:
+        message = (f"calibration set under-represents {', '.join(report['under_represented'])} "
+                   f"against {params.coverage.traffic} ({report['rule']})")
+        if params.coverage.on_gap == "fail":
+            raise QuantgateError(message + "; coverage.on_gap is 'fail'")
+        log.warning("calibrate: warning: %s", message)
+    return 0
+
+
 def tracking_uri() -> str:
     """MLFLOW_TRACKING_URI when set, else the SQLite store at the repository root (DVC_ROOT in dvc runs)."""
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
@@ -75,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("reference", help="stage 1: train the embedded reference model -> models/reference/")
     p.set_defaults(func=cmd_reference)
+
+    p = sub.add_parser("calibrate", help="stage 2: domain calibration sets + coverage against production traffic")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 over the local tracking store")
     p.add_argument("--port", type=int, default=5000)

@@ -26,7 +26,7 @@ MAX_CODE_LINES = 6
 class CommentSample:
     """A comment or docstring and the code it describes, with where it came from."""
 
-    kind: str  # "comment" or "docstring"
+    kind: str  # "comment", "docstring", or "code" (no comment at all)
     comment: str
     code: str
     source: str  # file name
@@ -35,7 +35,7 @@ class CommentSample:
     @property
     def text(self) -> str:
         """The rendering used for calibration and training: comment, then the code."""
-        if self.kind == "docstring":
+        if self.kind in ("docstring", "code"):
             return self.code
         return f"{self.comment}\n{self.code}"
 
@@ -123,9 +123,32 @@ def extract(source: str, name: str) -> list[CommentSample]:
 
     Raises SyntaxError (with `name` and line) when the file is not valid Python.
     """
-    try:
-        found = _comment_samples(source, name) + _docstring_samples(source, name)
-    except (SyntaxError, tokenize.TokenError) as err:
-        line = getattr(err, "lineno", None) or (err.args[1][0] if len(err.args) > 1 else "?")
-        raise SyntaxError(f"{name}:{line}: cannot tokenize Python source ({err.args[0]})") from None
+    _parse(source, name)
+    found = _comment_samples(source, name) + _docstring_samples(source, name)
     return sorted(found, key=lambda s: (s.line, s.kind))
+
+
+def _parse(source: str, name: str) -> ast.Module:
+    try:
+        return ast.parse(source)
+    except SyntaxError as err:
+        raise SyntaxError(f"{name}:{err.lineno}: not valid Python ({err.msg})") from None
+
+
+def _strip_docstrings(node: ast.AST) -> None:
+    for child in ast.walk(node):
+        body = getattr(child, "body", None)
+        if (isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            child.body = body[1:] or [ast.Pass()]
+
+
+def bare_functions(source: str, name: str) -> list[CommentSample]:
+    """Every top-level function and method as code alone: comments and docstrings removed (the `code` domain)."""
+    found = []
+    for node in ast.walk(_parse(source, name)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            _strip_docstrings(node)
+            found.append(CommentSample("code", "", ast.unparse(node), name, node.lineno))
+    return sorted(found, key=lambda s: s.line)

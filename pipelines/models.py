@@ -42,3 +42,15 @@ def resolve_model(spec: str) -> ModelSource:
         f"params.yaml: model: {spec!r} is not 'reference', an existing checkpoint directory, "
         "or a hub id of the form org/name"
     )
+
+
+def load_tokenizer(source: ModelSource):
+    """The model's own tokenizer: token counts everywhere are measured with it."""
+    from transformers import AutoTokenizer
+
+    if source.is_reference and not (Path(source.location) / "tokenizer.json").is_file():
+        raise QuantgateError(f"{source.location}: no tokenizer; run `dvc repro reference` (or quantgate reference) first")
+    try:
+        return AutoTokenizer.from_pretrained(source.location)
+    except (OSError, ValueError) as err:
+        raise QuantgateError(f"model {source.location}: cannot load its tokenizer ({str(err).splitlines()[0]})") from None

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipelines.errors import QuantgateError
 
@@ -49,6 +49,85 @@ class ReferenceParams(Section):
     eval_items: int = Field(200, gt=0)
 
 
+DOMAINS = ("chat", "code", "code_comment", "math")
+SOURCE_KINDS = ("python_code", "python_comments", "math", "jsonl", "parquet", "csv", "hf")
+
+
+class SourceParams(Section):
+    """Where one domain's calibration text comes from.
+
+    `python_code` / `python_comments`: a folder of .py files (code alone / comment + code);
+    `math`: the seeded math generator (`count` samples); `jsonl`, `parquet`, `csv`: a local file with a
+    `text_field`; `hf`: a Hugging Face `datasets` source (`name`, `config`, `split`, `text_field`).
+    """
+
+    domain: Literal["chat", "code", "code_comment", "math"]
+    kind: Literal["python_code", "python_comments", "math", "jsonl", "parquet", "csv", "hf"]
+    path: str | None = None
+    text_field: str = "text"
+    count: int = Field(2000, gt=0)
+    name: str | None = None
+    config: str | None = None
+    split: str = "train"
+
+    @model_validator(mode="after")
+    def _needs_location(self):
+        if self.kind == "hf" and not self.name:
+            raise ValueError("kind 'hf' needs 'name' (a datasets name)")
+        if self.kind not in ("hf", "math") and not self.path:
+            raise ValueError(f"kind '{self.kind}' needs 'path'")
+        return self
+
+
+DEFAULT_SOURCES = (
+    SourceParams(domain="code", kind="python_code", path="calibration_sets/sources/code"),
+    SourceParams(domain="code_comment", kind="python_comments", path="calibration_sets/sources/code"),
+    SourceParams(domain="math", kind="math", count=2000),
+    SourceParams(domain="chat", kind="jsonl", path="calibration_sets/sources/chat/dialogues.jsonl"),
+)
+
+
+class CalibrationParams(Section):
+    """The calibration recipe: how many samples of which domain, how long, how deduplicated."""
+
+    seed: int = 0
+    samples: int = Field(512, gt=0)
+    weights: dict[Literal["chat", "code", "code_comment", "math"], float] = {d: 1.0 for d in DOMAINS}
+    min_tokens: int = Field(16, gt=0)
+    max_tokens: int = Field(192, gt=0)
+    near_duplicate_jaccard: float = Field(0.8, gt=0, le=1)
+    exclude: list[str] = []
+    sources: list[SourceParams] = Field(default_factory=lambda: list(DEFAULT_SOURCES))
+
+    @model_validator(mode="after")
+    def _check(self):
+        unknown = [d for d in self.exclude if d not in DOMAINS]
+        if unknown:
+            raise ValueError(f"unknown domain {unknown[0]!r} in exclude; domains are {', '.join(DOMAINS)}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} is above max_tokens {self.max_tokens}")
+        if any(w < 0 for w in self.weights.values()):
+            raise ValueError("weights must be >= 0")
+        if not [d for d in self.domains if self.weights.get(d, 0) > 0]:
+            raise ValueError("every domain is excluded or has weight 0")
+        return self
+
+    @property
+    def domains(self) -> list[str]:
+        """Domains this recipe samples, in the fixed order of DOMAINS."""
+        return [d for d in DOMAINS if d not in self.exclude and self.weights.get(d, 0) > 0]
+
+
+class CoverageParams(Section):
+    """How the calibration set is checked against a sample of production traffic."""
+
+    traffic: str = "calibration_sets/traffic/production_sample.jsonl"
+    text_field: str = "text"
+    min_share_ratio: float = Field(0.5, ge=0)
+    ngram: int = Field(3, gt=0)
+    on_gap: Literal["warn", "fail"] = "warn"
+
+
 class MlflowParams(Section):
     experiment: str = "quantgate"
 
@@ -58,6 +137,8 @@ class Params(Section):
 
     model: str = "reference"
     reference: ReferenceParams = ReferenceParams()
+    calibration: CalibrationParams = CalibrationParams()
+    coverage: CoverageParams = CoverageParams()
     mlflow: MlflowParams = MlflowParams()
 
 

@@ -187,3 +187,68 @@ def dialogues(seed: int, count: int) -> list[dict]:
 def dialogue_text(d: dict) -> str:
     """The training/calibration rendering of a dialogue."""
     return f"Customer: {d['customer']}\nAgent: {d['agent']}"
+
+
+# --------------------------------------------------------------------------------------------
+# A production traffic sample (what a serving team would export from its request logs)
+# --------------------------------------------------------------------------------------------
+
+PII_EN = ["You can reach me at {email}.", "My phone number is {phone_us}.", "Call me back on {phone_intl}.",
+          "My SSN on the account is {ssn}.", "The card I paid with is {card}."]
+PII_ZH = ["我的邮箱是{email}。", "我的手机号是{phone_cn}。", "身份证号{cn_id}。"]
+NAMES = ["jane.doe", "li.wei", "m.garcia", "chen_jing", "sam.k"]
+DOMAINS_MAIL = ["example.com", "mail.example.org", "corp.example.net"]
+
+MATH_ASKS_EN = ["What is {p}?", "Compute {p}", "Please calculate {p}", "Simplify {p}", "{p}"]
+MATH_ASKS_ZH = ["计算 {p}", "{p} 等于多少？"]
+CODE_ASKS = ["Why does this raise an error?\n{code}", "Can you make this faster?\n{code}",
+             "Rewrite this in a more idiomatic way:\n{code}", "What does this return for an empty list?\n{code}",
+             "这段代码有什么问题？\n{code}"]
+COMMENT_ASKS = ["Add comments to this function:\n{code}", "Write a docstring for this:\n{code}",
+                "Is this comment still accurate?\n{commented}", "Explain what the comment means here:\n{commented}",
+                "给这段代码加上注释：\n{code}", "Complete the code under this comment:\n{comment}\n"]
+
+
+def _pii(rng: random.Random) -> dict[str, str]:
+    return {
+        "email": f"{rng.choice(NAMES)}{rng.randint(1, 99)}@{rng.choice(DOMAINS_MAIL)}",
+        "phone_us": f"({rng.randint(200, 989)}) {rng.randint(200, 989)}-{rng.randint(1000, 9999)}",
+        "phone_intl": f"+44 20 {rng.randint(1000, 9999)} {rng.randint(1000, 9999)}",
+        "phone_cn": f"1{rng.choice('3456789')}{rng.randint(100000000, 999999999)}",
+        "ssn": f"{rng.randint(100, 899)}-{rng.randint(10, 99)}-{rng.randint(1000, 9999)}",
+        "card": " ".join(str(rng.randint(1000, 9999)) for _ in range(4)),
+        "cn_id": f"{rng.randint(110000, 659999)}{rng.randint(1960, 2005)}{rng.randint(10, 12)}"
+                 f"{rng.randint(10, 28)}{rng.randint(100, 999)}{rng.choice('0123456789X')}",
+    }
+
+
+def traffic_sample(seed: int, count: int, bare_code: list[str], commented: list[tuple[str, str]],
+                   shares: dict[str, float] | None = None) -> list[dict]:
+    """`count` production-like requests: customer chat (often with personal data), math, code, code+comments.
+
+    `bare_code` are code snippets without comments, `commented` (comment, code) pairs: real code
+    from the shipped snapshot, as a team whose users send it code from the same codebase would see.
+    """
+    shares = shares or {"chat": 0.45, "math": 0.2, "code": 0.2, "code_comment": 0.15}
+    rng = random.Random(seed)
+    kinds = [k for k, s in shares.items() for _ in range(round(s * count))][:count]
+    rng.shuffle(kinds)
+    rows = []
+    for n, kind in enumerate(kinds):
+        zh = rng.random() < 0.35
+        if kind == "chat":
+            d = dialogue(rng, rng.choice(sorted(INTENTS)), "zh" if zh else "en")
+            text = d["customer"]
+            if rng.random() < 0.4:
+                text += (" " if not zh else "") + rng.choice(PII_ZH if zh else PII_EN).format(**_pii(rng))
+        elif kind == "math":
+            _, prompt, _ = math_problem(rng)
+            text = rng.choice(MATH_ASKS_ZH if zh else MATH_ASKS_EN).format(p=prompt.rstrip("="))
+        elif kind == "code":
+            text = rng.choice(CODE_ASKS).format(code=rng.choice(bare_code))
+        else:
+            comment, code = rng.choice(commented)
+            text = rng.choice(COMMENT_ASKS).format(code=rng.choice(bare_code), comment=comment,
+                                                   commented=f"{comment}\n{code}")
+        rows.append({"id": f"req-{n:05d}", "text": text, "kind": kind})
+    return rows

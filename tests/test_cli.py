@@ -17,7 +17,8 @@ def run(args, cwd):
 def test_help_lists_the_stages(tmp_path):
     out = run(["--help"], tmp_path)
     assert out.returncode == 0
-    assert "reference" in out.stdout and "ui" in out.stdout
+    for stage in ("reference", "calibrate", "ui"):
+        assert stage in out.stdout
 
 
 def test_bad_params_key_is_one_line_exit_2(tmp_path):

@@ -58,6 +58,18 @@ def test_reference_stage_outputs(pipeline_run):
     assert "Running stage 'reference'" in first.stdout
 
 
+def test_calibrate_stage_outputs(pipeline_run):
+    repo, first, _ = pipeline_run
+    manifest = json.loads((repo / "calibration_sets" / "built" / "manifest.json").read_text())
+    assert {d: v["count"] for d, v in manifest["domains"].items()} == {
+        "chat": 128, "code": 128, "code_comment": 128, "math": 128}
+    mixed = (repo / "calibration_sets" / "built" / "mixed.jsonl").read_text().splitlines()
+    assert len(mixed) == 512
+    coverage = json.loads((repo / "results" / "calibration" / "coverage.json").read_text())
+    assert coverage["covered"] and coverage["calibration_sha256"] == manifest["mixed_sha256"]
+    assert "calibrate: code_comment production" in first.stderr + first.stdout
+
+
 def test_second_repro_does_nothing_and_says_so(pipeline_run):
     _, _, second = pipeline_run
     assert second.returncode == 0

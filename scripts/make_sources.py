@@ -1,0 +1,44 @@
+"""Regenerate the generated sources the project ships (seeded: the output never changes).
+
+    .venv/bin/python scripts/make_sources.py
+
+writes calibration_sets/sources/chat/dialogues.jsonl and calibration_sets/traffic/production_sample.jsonl.
+tests/test_calibrate.py checks that the committed files equal what this script writes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipelines import synthetic  # noqa: E402
+from pipelines.code_comments import bare_functions  # noqa: E402
+from pipelines.io import write_jsonl  # noqa: E402
+from pipelines.reference import code_samples  # noqa: E402
+
+DIALOGUES = Path("calibration_sets/sources/chat/dialogues.jsonl")
+TRAFFIC = Path("calibration_sets/traffic/production_sample.jsonl")
+DIALOGUE_SEED, DIALOGUE_COUNT = 1234, 480
+TRAFFIC_SEED, TRAFFIC_COUNT = 4321, 400
+
+
+def dialogue_rows() -> list[dict]:
+    return [{"text": synthetic.dialogue_text(d), "intent": d["intent"], "lang": d["lang"]}
+            for d in synthetic.dialogues(DIALOGUE_SEED, DIALOGUE_COUNT)]
+
+
+def traffic_rows() -> list[dict]:
+    """Requests without their generator label: production logs carry no domain."""
+    bare = [s.code for p in sorted(Path("calibration_sets/sources/code").rglob("*.py"))
+            for s in bare_functions(p.read_text(encoding="utf-8"), p.name) if 3 <= s.code.count("\n") <= 12]
+    commented = [(s.comment, s.code) for s in code_samples() if s.kind == "comment" and s.code.count("\n") <= 8]
+    rows = synthetic.traffic_sample(TRAFFIC_SEED, TRAFFIC_COUNT, bare, commented)
+    return [{"id": r["id"], "text": r["text"]} for r in rows]
+
+
+if __name__ == "__main__":
+    write_jsonl(DIALOGUES, dialogue_rows())
+    write_jsonl(TRAFFIC, traffic_rows())
+    print(f"wrote {DIALOGUES} and {TRAFFIC}")
