@@ -73,6 +73,106 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Quantize one variant; its failure is recorded in its manifest and the stage still succeeds."""
+    from pipelines import quantize
+    from pipelines.models import resolve_device, resolve_model
+    from pipelines.params import load_params
+
+    params = load_params()
+    settings = params.variants.get(args.variant)
+    if settings is None:
+        params.model_under_test(args.variant)  # names what exists
+        raise QuantgateError(f"{args.variant!r} is a candidate: use `quantgate admit {args.variant}`")
+    source = resolve_model(params.model)
+    device = resolve_device(params.device)
+    with logs.progress(total=1, desc=f"quantize {args.variant} ({settings.method})", bar_format="{desc}: {elapsed}") as bar:
+        manifest = quantize.quantize_variant(args.variant, settings, source, Path("calibration_sets/built"), device)
+        bar.update()
+    if manifest["status"] == "ok":
+        log.info("quantize %s: %s in %.1fs, %s weight bytes on disk (theory %s) -> models/variants/%s",
+                 args.variant, settings.method, manifest["quantize_seconds"],
+                 f"{manifest['disk_bytes']['weights']:,}", f"{manifest['theoretical_weight_bytes']['total']:,}",
+                 args.variant)
+    else:
+        log.warning("quantize %s: FAILED (%s); recorded in models/variants/%s/quantgate.json",
+                    args.variant, manifest["error"], args.variant)
+    return 0
+
+
+def cmd_admit(args: argparse.Namespace) -> int:
+    """Validate a third-party checkpoint; a rejection is recorded as that candidate's failure."""
+    from pipelines import candidates
+    from pipelines.models import resolve_model
+    from pipelines.params import load_params
+
+    params = load_params()
+    if args.candidate not in params.candidates:
+        params.model_under_test(args.candidate)
+        raise QuantgateError(f"{args.candidate!r} is a variant: use `quantgate quantize {args.candidate}`")
+    source = resolve_model(params.model)
+    manifest = candidates.admit(args.candidate, params.candidates[args.candidate].path, source.location)
+    if manifest["status"] == "ok":
+        log.info("admit %s: %s checkpoint validated (%d tensors) -> models/variants/%s", args.candidate,
+                 manifest["method"], manifest["validation"]["tensors"], args.candidate)
+    else:
+        log.warning("admit %s: REJECTED:\n  %s", args.candidate, "\n  ".join(manifest["validation"]["reasons"]))
+    return 0
+
+
+MEMORY_DIR = RESULTS / "memory"
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    """Measure one variant's memory in a fresh process; a variant that failed earlier is recorded as failed."""
+    from pipelines import memory
+    from pipelines.io import write_json
+    from pipelines.models import VARIANTS_DIR, resolve_device
+    from pipelines.params import load_params
+
+    params = load_params()
+    params.model_under_test(args.variant)
+    device = resolve_device(params.device)
+    with logs.progress(total=1, desc=f"memory {args.variant} ({device})", bar_format="{desc}: {elapsed}") as bar:
+        result = memory.measure_isolated(str(VARIANTS_DIR / args.variant), params.memory, device, args.inject_leak_bytes)
+        bar.update()
+    if args.inject_leak_bytes:
+        result["injected_leak_bytes_per_round"] = args.inject_leak_bytes
+    write_json(MEMORY_DIR / f"{args.variant}.json", result)
+    if result["status"] == "ok":
+        sw = result["sweep"]
+        log.info("memory %s: footprint %s B, KV %.0f B/token fitted (theory %d), soak: %s",
+                 args.variant, f"{result['load']['footprint_bytes']:,}", sw["fitted_bytes_per_token"],
+                 sw["theoretical_kv_bytes_per_token"], result["leak"]["reason"])
+    else:
+        log.warning("memory %s: FAILED (%s)", args.variant, result["error"])
+    return 0
+
+
+def cmd_memory_report(args: argparse.Namespace) -> int:
+    """Every variant's memory on one chart each, and growth against fp16."""
+    from pipelines import memory
+    from pipelines.io import read_json, write_json
+    from pipelines.params import load_params
+
+    params = load_params()
+    results = {}
+    for name in [*params.variants, *params.candidates]:
+        path = MEMORY_DIR / f"{name}.json"
+        results[name] = read_json(path) if path.is_file() else {"status": "failed", "error": f"{path} missing"}
+    summary = memory.summarize(results)
+    write_json(RESULTS / "memory_summary.json", summary)
+    memory.plot_all(results, RESULTS / "plots")
+    for name, row in summary["variants"].items():
+        if row["status"] == "ok":
+            excess = row["growth_excess_pct"]
+            log.info("memory-report %-10s footprint %10s B  growth excess vs fp16 %s  leak %s", name,
+                     f"{row['footprint_bytes']:,}", "n/a" if excess is None else f"{excess:+.3f} %", row["leak"])
+        else:
+            log.info("memory-report %-10s FAILED: %s", name, row["error"])
+    return 0
+
+
 def tracking_uri() -> str:
     """MLFLOW_TRACKING_URI when set, else the SQLite store at the repository root (DVC_ROOT in dvc runs)."""
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
@@ -102,6 +202,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="stage 2: domain calibration sets + coverage against production traffic")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("quantize", help="stage 3: quantize one variant from params.yaml -> models/variants/<variant>/")
+    p.add_argument("variant")
+    p.set_defaults(func=cmd_quantize)
+
+    p = sub.add_parser("admit", help="stage 3b: validate a third-party checkpoint from candidates: -> models/variants/<name>/")
+    p.add_argument("candidate")
+    p.set_defaults(func=cmd_admit)
+
+    p = sub.add_parser("memory", help="stage 4: memory of one variant (fresh process) -> results/memory/<variant>.json")
+    p.add_argument("variant")
+    p.add_argument("--inject-leak-bytes", type=int, default=0, metavar="N",
+                   help="keep N extra bytes alive per soak round: checks that the leak detector fires")
+    p.set_defaults(func=cmd_memory)
+
+    p = sub.add_parser("memory-report", help="stage 4b: all variants' memory on one chart, growth vs fp16")
+    p.set_defaults(func=cmd_memory_report)
 
     p = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 over the local tracking store")
     p.add_argument("--port", type=int, default=5000)

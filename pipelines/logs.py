@@ -7,13 +7,17 @@ messages and progress bars; the full story is kept in `logs/quantgate.log`.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 LOG_FILE = Path("logs/quantgate.log")
+current_log_file = LOG_FILE  # where setup() sent the log; child processes log to the same file
 
 # Set before any library import: quieter libraries, and the settings they read once at import.
 QUIET_ENV = {
@@ -28,10 +32,16 @@ QUIET_ENV = {
 }
 
 
-def setup(log_file: Path = LOG_FILE, verbose: bool = False) -> None:
-    """Route quantgate's messages to the console and every logger's messages to `log_file`."""
+def apply_library_env() -> None:
     for key, value in QUIET_ENV.items():
         os.environ.setdefault(key, value)
+
+
+def setup(log_file: Path = LOG_FILE, verbose: bool = False) -> None:
+    """Route quantgate's messages to the console and every logger's messages to `log_file`."""
+    global current_log_file
+    current_log_file = log_file
+    apply_library_env()
     log_file.parent.mkdir(parents=True, exist_ok=True)
     file_handler = logging.FileHandler(log_file, encoding="utf-8")
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -57,7 +67,7 @@ def setup(log_file: Path = LOG_FILE, verbose: bool = False) -> None:
 
 def quiet_libraries() -> None:
     """Send libraries that install their own console handlers through the root (file) handler."""
-    for name in ("transformers", "torchao", "gptqmodel", "awq", "datasets", "lm-eval", "lm_eval", "mlflow",
+    for name in ("transformers", "torchao", "gptqmodel", "logbar", "awq", "tokenicer", "defuser", "datasets", "lm-eval", "lm_eval", "mlflow",
                  "accelerate", "bitsandbytes", "torch", "optimum", "urllib3", "filelock", "httpx"):
         lib = logging.getLogger(name)
         lib.handlers[:] = []
@@ -70,3 +80,47 @@ def quiet_libraries() -> None:
         tlog.disable_progress_bar()
     except ImportError:  # pragma: no cover - transformers is a hard dependency
         pass
+
+
+class _LogWriter(io.TextIOBase):
+    """A text stream that sends each line it receives to a logger (for libraries that print)."""
+
+    def __init__(self, logger: logging.Logger):
+        self.logger = logger
+        self.buffer = ""
+
+    def write(self, text: str) -> int:
+        self.buffer += text.replace("\r", "\n")
+        *lines, self.buffer = self.buffer.split("\n")
+        for line in lines:
+            if line.strip():
+                self.logger.info(line.rstrip())
+        return len(text)
+
+    def flush(self) -> None:
+        if self.buffer.strip():
+            self.logger.info(self.buffer.rstrip())
+        self.buffer = ""
+
+
+@contextlib.contextmanager
+def library_output(name: str) -> Iterator[None]:
+    """Send what a library prints (banners, its own progress bars) to the log file, not the console.
+
+    Python-level only: sys.stdout and sys.stderr are swapped. quantgate's own progress bars write
+    to sys.__stderr__ (see `progress`), so they stay visible.
+    """
+    writer = _LogWriter(logging.getLogger(f"lib.{name}"))
+    with contextlib.redirect_stdout(writer), contextlib.redirect_stderr(writer):
+        try:
+            yield
+        finally:
+            writer.flush()
+            quiet_libraries()  # a library imported inside may have added console handlers
+
+
+def progress(iterable=None, **kwargs):
+    """quantgate's progress bar: tqdm on the real stderr, so redirected library output cannot hide it."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, file=sys.__stderr__, dynamic_ncols=True, **kwargs)

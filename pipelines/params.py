@@ -128,6 +128,70 @@ class CoverageParams(Section):
     on_gap: Literal["warn", "fail"] = "warn"
 
 
+class VariantParams(Section):
+    """One quantized variant the pipeline makes: a method and its settings."""
+
+    method: Literal["none", "bnb-int8", "awq", "gptq"]
+    bits: int | None = None
+    group_size: int = Field(128, gt=0)
+    sym: bool = True  # gptq: symmetric quantization
+    zero_point: bool = True  # awq: asymmetric (zero point) quantization
+    desc_act: bool = False  # gptq: activation-order column permutation
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"  # weights left unquantized
+    backend: Literal["auto", "autoawq", "gptqmodel"] = "auto"
+
+    @model_validator(mode="after")
+    def _check(self):
+        allowed = {"none": {None}, "bnb-int8": {None, 8}, "awq": {4}, "gptq": {2, 3, 4, 8}}[self.method]
+        if self.bits not in allowed:
+            want = " or ".join(str(b) for b in sorted(b for b in allowed if b)) or "no bits"
+            raise ValueError(f"method '{self.method}' takes bits {want}, got {self.bits}")
+        if self.backend == "gptqmodel" and self.method not in ("awq", "gptq"):
+            raise ValueError(f"backend 'gptqmodel' applies to awq and gptq, not {self.method}")
+        if self.backend == "autoawq" and self.method != "awq":
+            raise ValueError(f"backend 'autoawq' applies to awq, not {self.method}")
+        return self
+
+
+class CandidateParams(Section):
+    """A third-party quantized checkpoint: validated before anything loads it, then judged like a variant."""
+
+    path: str
+
+
+DEFAULT_VARIANTS = {
+    "fp16": VariantParams(method="none", dtype="float16"),
+    "int8": VariantParams(method="bnb-int8"),
+    "awq4": VariantParams(method="awq", bits=4, group_size=64),
+    "gptq3": VariantParams(method="gptq", bits=3, group_size=64),
+}
+VARIANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,40}$")
+
+
+class MemoryParams(Section):
+    """Workload of the memory stage, scaled to the model's context limit (max_position_embeddings)."""
+
+    max_tokens: int = Field(4096, gt=1)  # cap on the context used, for models with huge limits
+    seq_fractions: list[float] = [0.125, 0.25, 0.5, 1.0]
+    decode_tokens: int = Field(8, gt=0)
+    warmup_rounds: int = Field(2, ge=0)
+    rounds: int = Field(12, ge=10)
+    burst_size: int = Field(4, gt=0)  # long requests batched together per round
+    alternations: int = Field(4, ge=2)  # short/long requests alternating per round
+    long_fraction: float = Field(0.9, gt=0, le=1)
+    short_fraction: float = Field(0.1, gt=0, le=1)
+    leak_tolerance_pct: float = Field(1.0, gt=0)  # fitted growth over the rounds, % of the load footprint
+    leak_floor_bytes: int = Field(1 << 20, ge=0)  # ... and at least this many bytes
+    sweep_batch: int = Field(8, gt=0)
+    threads: int = Field(2, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.seq_fractions or any(not 0 < f <= 1 for f in self.seq_fractions):
+            raise ValueError("seq_fractions must be fractions in (0, 1]")
+        return self
+
+
 class MlflowParams(Section):
     experiment: str = "quantgate"
 
@@ -136,10 +200,35 @@ class Params(Section):
     """The whole of params.yaml."""
 
     model: str = "reference"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     reference: ReferenceParams = ReferenceParams()
     calibration: CalibrationParams = CalibrationParams()
     coverage: CoverageParams = CoverageParams()
+    variants: dict[str, VariantParams] = Field(default_factory=lambda: dict(DEFAULT_VARIANTS))
+    candidates: dict[str, CandidateParams] = {}
+    memory: MemoryParams = MemoryParams()
     mlflow: MlflowParams = MlflowParams()
+
+    @model_validator(mode="after")
+    def _names(self):
+        names = list(self.variants) + list(self.candidates)
+        for name in names:
+            if not VARIANT_NAME.match(name):
+                raise ValueError(f"variant/candidate name {name!r}: use lowercase letters, digits, '-' and '_'")
+        if "fp16" not in self.variants or self.variants["fp16"].method != "none":
+            raise ValueError("variants.fp16 with method 'none' is required: it is the baseline every variant is judged against")
+        clash = set(self.variants) & set(self.candidates)
+        if clash:
+            raise ValueError(f"{sorted(clash)[0]!r} is both a variant and a candidate; names must be unique")
+        return self
+
+    def model_under_test(self, name: str) -> VariantParams | CandidateParams:
+        if name in self.variants:
+            return self.variants[name]
+        if name in self.candidates:
+            return self.candidates[name]
+        raise QuantgateError(f"params.yaml: no variant or candidate named {name!r} "
+                             f"(variants: {', '.join(self.variants)}; candidates: {', '.join(self.candidates) or 'none'})")
 
 
 def _line_of(node: yaml.Node | None, loc: tuple[Any, ...]) -> int | None:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from pipelines import synthetic
 from pipelines.code_comments import CommentSample, extract
 from pipelines.io import atomic_dir, write_json
+from pipelines.logs import progress
 from pipelines.params import ReferenceParams
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def train(model, encoded: list[list[int]], p: ReferenceParams) -> list[float]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
     losses = []
     model.train()
-    bar = tqdm(batches(encoded, p.seq_len, p.batch_size, p.steps, p.seed), total=p.steps, desc="train reference")
+    bar = progress(batches(encoded, p.seq_len, p.batch_size, p.steps, p.seed), total=p.steps, desc="train reference")
     for batch in bar:
         out = model(input_ids=batch, labels=batch)
         out.loss.backward()

@@ -12,9 +12,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Small enough to train in seconds, shaped like the reference model (multiples of 64 for GPTQ/AWQ groups).
+# Small enough to train in seconds, shaped like the reference model: every linear width a multiple of 64
+# (GPTQ/AWQ group size 64; autoawq's clip search also needs output widths divisible by 64).
 TINY_REFERENCE = {
-    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "layers": 1, "heads": 2, "kv_heads": 1,
+    "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "layers": 1, "heads": 2, "kv_heads": 2,
     "max_position_embeddings": 128, "seq_len": 32, "batch_size": 8, "steps": 30, "held_out_additions": 50,
     "math_lines": 200, "dialogues": 48, "code_repeats": 1, "addition_repeats": 1, "eval_items": 20, "threads": 1,
 }
@@ -42,3 +43,34 @@ def tiny_model(tmp_path_factory, tiny_params) -> Path:
     out = tmp_path_factory.mktemp("tiny") / "model"
     reference.build(tiny_params, out, out.parent / "reference.json")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_calibration(tmp_path_factory, tiny_model) -> Path:
+    """A small mixed calibration set built by the calibrate stage's code with the tiny model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from pipelines import calibrate
+    from pipelines.params import CalibrationParams, CoverageParams
+
+    os.chdir(ROOT)
+    out = tmp_path_factory.mktemp("calib")
+    calibrate.run(CalibrationParams(samples=32, max_tokens=96), CoverageParams(),
+                  AutoTokenizer.from_pretrained(tiny_model), "tiny", out / "built", out / "coverage")
+    return out / "built"
+
+
+@pytest.fixture(scope="session")
+def tiny_variants(tmp_path_factory, tiny_model, tiny_calibration) -> dict[str, Path]:
+    """The four default variants of the tiny model, made by the quantize stage's code."""
+    from pipelines import logs, quantize
+    from pipelines.models import ModelSource
+    from pipelines.params import DEFAULT_VARIANTS
+
+    logs.setup(log_file=tmp_path_factory.mktemp("logs") / "quantgate.log")
+    root = tmp_path_factory.mktemp("variants")
+    source = ModelSource("local", str(tiny_model))
+    for name, settings in DEFAULT_VARIANTS.items():
+        manifest = quantize.quantize_variant(name, settings, source, tiny_calibration, "cpu", root)
+        assert manifest["status"] == "ok", manifest.get("error")
+    return {name: root / name for name in DEFAULT_VARIANTS}

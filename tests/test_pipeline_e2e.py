@@ -41,6 +41,13 @@ def pipeline_run(tmp_path_factory):
     repo = repo_copy(tmp_path_factory.mktemp("repo"))
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["reference"].update(TINY_REFERENCE)
+    params["calibration"].update(samples=64, max_tokens=96)
+    params["memory"].update(seq_fractions=[0.5, 1.0], warmup_rounds=1, rounds=10, alternations=2, burst_size=2)
+    broken = repo / "third_party" / "vendor-gptq"  # a candidate that must be rejected, not crash the pipeline
+    broken.mkdir(parents=True)
+    (broken / "config.json").write_text("{}")
+    (broken / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    params["candidates"] = {"vendor-gptq": {"path": "third_party/vendor-gptq"}}
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     first = dvc(["repro"], repo)
     assert first.returncode == 0, first.stdout + first.stderr
@@ -62,12 +69,38 @@ def test_calibrate_stage_outputs(pipeline_run):
     repo, first, _ = pipeline_run
     manifest = json.loads((repo / "calibration_sets" / "built" / "manifest.json").read_text())
     assert {d: v["count"] for d, v in manifest["domains"].items()} == {
-        "chat": 128, "code": 128, "code_comment": 128, "math": 128}
+        "chat": 16, "code": 16, "code_comment": 16, "math": 16}
     mixed = (repo / "calibration_sets" / "built" / "mixed.jsonl").read_text().splitlines()
-    assert len(mixed) == 512
+    assert len(mixed) == 64
     coverage = json.loads((repo / "results" / "calibration" / "coverage.json").read_text())
     assert coverage["covered"] and coverage["calibration_sha256"] == manifest["mixed_sha256"]
     assert "calibrate: code_comment production" in first.stderr + first.stdout
+
+
+def test_every_default_variant_is_built_and_the_bad_candidate_recorded(pipeline_run):
+    repo, first, _ = pipeline_run
+    calib = json.loads((repo / "calibration_sets" / "built" / "manifest.json").read_text())["mixed_sha256"]
+    for variant in ("fp16", "int8", "awq4", "gptq3"):
+        manifest = json.loads((repo / "models" / "variants" / variant / "quantgate.json").read_text())
+        assert manifest["status"] == "ok", manifest.get("error")
+        assert manifest["calibration"]["sha256"] == calib
+        assert (repo / "models" / "variants" / variant / "model.safetensors").is_file()
+    rejected = json.loads((repo / "models" / "variants" / "vendor-gptq" / "quantgate.json").read_text())
+    assert rejected["status"] == "failed"
+    assert "pytorch_model.bin: pickle-based file refused" in rejected["error"]
+    assert "admit vendor-gptq: REJECTED" in first.stderr + first.stdout
+
+
+def test_memory_stage_per_variant_and_summary(pipeline_run):
+    repo, _, _ = pipeline_run
+    summary = json.loads((repo / "results" / "memory_summary.json").read_text())
+    rows = summary["variants"]
+    assert summary["baseline_ok"] and rows["fp16"]["growth_excess_pct"] == 0
+    for variant in ("int8", "awq4", "gptq3"):
+        assert rows[variant]["status"] == "ok" and rows[variant]["footprint_bytes"] < rows["fp16"]["footprint_bytes"]
+        assert rows[variant]["leak"] is False
+    assert rows["vendor-gptq"]["status"] == "failed" and "not usable" in rows["vendor-gptq"]["error"]
+    assert (repo / "results" / "plots" / "memory_over_rounds.png").is_file()
 
 
 def test_second_repro_does_nothing_and_says_so(pipeline_run):

@@ -1,0 +1,86 @@
+"""Time each quantization method through quantgate against calling the library directly.
+
+    .venv/bin/python benchmarks/quantize_overhead.py [--repeats 2] [--methods fp16,int8,awq4,gptq3]
+
+Same model (params.yaml `model`), same calibration set (calibration_sets/built/mixed.jsonl), same
+settings. Prints seconds and the ratio quantgate / direct; the goal is a ratio under 1.10. Needs
+`dvc repro calibrate` first. Runs each path `repeats` times, alternating, and keeps the fastest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipelines import logs  # noqa: E402
+from pipelines.models import dtype_of, resolve_model  # noqa: E402
+from pipelines.params import load_params  # noqa: E402
+from pipelines.quantize import calibration_texts, quantize_variant  # noqa: E402
+
+BUILT = Path("calibration_sets/built")
+
+
+def direct(method: str, s, base: str, texts: list[str], out: Path) -> None:
+    """The library calls a user would write by hand, nothing else."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    if method == "none":
+        AutoModelForCausalLM.from_pretrained(base, dtype=dtype_of(s.dtype)).save_pretrained(out)
+    elif method == "bnb-int8":
+        AutoModelForCausalLM.from_pretrained(base, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+                                             device_map="cpu", dtype=dtype_of(s.dtype)).save_pretrained(out)
+    elif method == "awq":
+        from awq import AutoAWQForCausalLM
+
+        model = AutoAWQForCausalLM.from_pretrained(base, torch_dtype=dtype_of(s.dtype))
+        model.quantize(AutoTokenizer.from_pretrained(base),
+                       quant_config={"zero_point": s.zero_point, "q_group_size": s.group_size, "w_bit": s.bits,
+                                     "version": "GEMM"},
+                       calib_data=texts, max_calib_samples=len(texts), max_calib_seq_len=256)
+        model.save_quantized(str(out))
+    else:
+        from gptqmodel import GPTQModel, QuantizeConfig
+
+        model = GPTQModel.load(base, QuantizeConfig(bits=s.bits, group_size=s.group_size, sym=s.sym,
+                                                    desc_act=s.desc_act), device="cpu", dtype=dtype_of(s.dtype))
+        model.quantize(texts)
+        model.save(str(out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--methods", default="fp16,int8,awq4,gptq3")
+    args = parser.parse_args()
+    logs.setup(log_file=Path("logs/benchmark.log"))
+    params = load_params()
+    source = resolve_model(params.model)
+    texts, _ = calibration_texts(BUILT)
+    print(f"model {source.location}, {len(texts)} calibration samples, best of {args.repeats}")
+    print(f"{'variant':<8} {'direct s':>9} {'quantgate s':>12} {'ratio':>6}")
+    for name in args.methods.split(","):
+        s = params.variants[name]
+        best = {"direct": float("inf"), "quantgate": float("inf")}
+        for _ in range(args.repeats):
+            with tempfile.TemporaryDirectory() as tmp:
+                t = time.perf_counter()
+                with logs.library_output("bench"):
+                    direct(s.method, s, source.location, texts, Path(tmp) / "out")
+                best["direct"] = min(best["direct"], time.perf_counter() - t)
+                t = time.perf_counter()
+                manifest = quantize_variant(name, s, source, BUILT, "cpu", Path(tmp) / "qg")
+                best["quantgate"] = min(best["quantgate"], time.perf_counter() - t)
+                assert manifest["status"] == "ok", manifest.get("error")
+                shutil.rmtree(tmp, ignore_errors=True)
+        print(f"{name:<8} {best['direct']:9.2f} {best['quantgate']:12.2f} {best['quantgate'] / best['direct']:6.3f}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

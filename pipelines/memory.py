@@ -1,0 +1,447 @@
+"""Stage `memory@<variant>`: load footprint, peak against sequence length, growth under soak, fragmentation.
+
+The incident behind this stage: a GPTQ checkpoint grew GPU memory 3-5 % more than FP16 under real
+traffic and services ran out of memory hours later. Each variant is measured in a fresh process
+(`measure_isolated`), so one variant's allocator state cannot leak into another's numbers.
+
+Both devices report the same JSON shape. On CUDA the numbers come from `torch.cuda.memory_stats()`
+(allocated = live tensors, the leak signal; reserved = allocator cache; inactive split = fragments)
+and NVML (process and device memory, which also counts the CUDA context and kernel workspaces). On a
+CPU, `allocated` and `reserved` come from glibc's `mallinfo2()` (bytes in use vs bytes the heap
+holds, so 1 - allocated/reserved is the same fragmentation ratio), and `process` is the RSS.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import math
+import multiprocessing
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+
+from pipelines import logs
+from pipelines.models import load_variant, variant_manifest
+from pipelines.params import MemoryParams
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Probes: one snapshot shape for both devices
+# --------------------------------------------------------------------------------------------
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _mallinfo2() -> _MallInfo2 | None:
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        return None
+    fn.restype = _MallInfo2
+    return fn()
+
+
+class CpuProbe:
+    """Heap bytes in use / held (glibc mallinfo2), RSS, and a sampled peak RSS that can be reset."""
+
+    device = "cpu"
+    method = ("glibc mallinfo2 (allocated = uordblks + hblkhd, reserved = arena + hblkhd), "
+              "psutil RSS, peak RSS sampled every 2 ms")
+
+    def __init__(self) -> None:
+        self.proc = psutil.Process()
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self._peak = max(self._peak, self.proc.memory_info().rss)
+
+    def reset_peak(self) -> None:
+        self._peak = self.proc.memory_info().rss
+
+    def sync(self) -> None:
+        gc.collect()
+
+    def snapshot(self) -> dict:
+        rss = self.proc.memory_info().rss
+        info = _mallinfo2()
+        allocated = reserved = None
+        if info is not None:
+            allocated = info.uordblks + info.hblkhd
+            reserved = info.arena + info.hblkhd
+        self._peak = max(self._peak, rss)
+        return {"allocated": allocated, "reserved": reserved, "inactive_split": None, "peak_allocated": None,
+                "peak_reserved": None, "peak_process": self._peak, "process": rss,
+                "device_used": None, "alloc_retries": None, "ooms": None}
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+class CudaProbe:
+    """torch.cuda.memory_stats() plus NVML process and device memory."""
+
+    device = "cuda"
+    method = "torch.cuda.memory_stats (allocated/reserved/inactive split, peaks reset per phase) + NVML"
+
+    def __init__(self) -> None:
+        self.nvml = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:  # noqa: BLE001 - NVML is optional; the allocator numbers still stand
+            log.debug("NVML unavailable", exc_info=True)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def sync(self) -> None:
+        gc.collect()
+        torch.cuda.synchronize()
+
+    def _nvml(self) -> tuple[int | None, int | None]:
+        if self.nvml is None:
+            return None, None
+        import os
+
+        used = self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
+        procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        mine = next((p.usedGpuMemory for p in procs if p.pid == os.getpid()), None)
+        return mine, used
+
+    def snapshot(self) -> dict:
+        s = torch.cuda.memory_stats()
+        process, device_used = self._nvml()
+        return {"allocated": s.get("allocated_bytes.all.current", 0), "reserved": s.get("reserved_bytes.all.current", 0),
+                "inactive_split": s.get("inactive_split_bytes.all.current", 0),
+                "peak_allocated": s.get("allocated_bytes.all.peak", 0), "peak_reserved": s.get("reserved_bytes.all.peak", 0),
+                "peak_process": None, "process": process, "device_used": device_used,
+                "alloc_retries": s.get("num_alloc_retries", 0), "ooms": s.get("num_ooms", 0)}
+
+    def close(self) -> None:
+        if self.nvml is not None:
+            self.nvml.nvmlShutdown()
+
+
+def make_probe(device: str):
+    return CudaProbe() if device == "cuda" else CpuProbe()
+
+
+def peak_of(snap: dict) -> int | None:
+    """The phase peak a person compares: peak allocated on CUDA, peak RSS on a CPU."""
+    return snap["peak_allocated"] if snap["peak_allocated"] is not None else snap["peak_process"]
+
+
+# --------------------------------------------------------------------------------------------
+# Theory and fits
+# --------------------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(config, element_bytes: int) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element_bytes
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs (bytes per token, bytes per round)."""
+    if len(xs) < 2:
+        return float("nan")
+    return float(np.polyfit(np.asarray(xs, float), np.asarray(ys, float), 1)[0])
+
+
+def tensor_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _cache_bytes(past) -> int:
+    """Bytes of the key/value tensors a transformers cache object holds."""
+    total = 0
+    for layer in getattr(past, "layers", []) or []:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Phases
+# --------------------------------------------------------------------------------------------
+
+
+def _ids(n_tokens: int, batch: int, vocab: int, device: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, n_tokens), generator=g).to(device)
+
+
+def _oom_types() -> tuple[type[BaseException], ...]:
+    return (torch.OutOfMemoryError, MemoryError)
+
+
+def _increase(peak: int | None, before: dict) -> int | None:
+    base = before["allocated"] if before["peak_allocated"] is not None else before["process"]
+    return None if peak is None or base is None else peak - base
+
+
+@torch.no_grad()
+def sweep(model, probe, lengths: list[int], decode_tokens: int, vocab: int, device: str, batch: int) -> dict:
+    """Peak per length for prefill and decode; bytes a prefill leaves held (the KV cache), per sequence.
+
+    Prefill keeps the cache and the last token's logits only, so what stays allocated is the cache;
+    it runs `batch` sequences at once so the per-token cache stands well above heap noise.
+    Decode runs one sequence and generates `decode_tokens` tokens.
+    """
+    rows = []
+    for n in lengths:
+        row: dict = {"tokens": n}
+        try:
+            probe.sync()
+            probe.reset_peak()
+            before = probe.snapshot()
+            out = model(_ids(n, batch, vocab, device, n), use_cache=True, logits_to_keep=1)
+            probe.sync()
+            held = probe.snapshot()
+            row["prefill_peak"] = peak_of(held)
+            row["prefill_peak_increase"] = _increase(peak_of(held), before)
+            row["kv_cache_bytes"] = _cache_bytes(out.get("cache") or out.get("past_key_values")) // batch
+            row["retained_bytes"] = ((held["allocated"] - before["allocated"]) // batch
+                                     if held["allocated"] is not None else None)
+            del out
+            probe.sync()
+            probe.reset_peak()
+            prompt = max(1, n - decode_tokens)
+            model.generate(_ids(prompt, 1, vocab, device, n + 1), max_new_tokens=n - prompt, min_new_tokens=n - prompt,
+                           do_sample=False, pad_token_id=0)
+            probe.sync()
+            row["decode_peak"] = peak_of(probe.snapshot())
+            row["decode_peak_increase"] = _increase(row["decode_peak"], before)
+        except _oom_types() as err:
+            row["oom"] = f"{type(err).__name__}: {err}"[:300]
+            probe.sync()
+        rows.append(row)
+    ok = [r for r in rows if "oom" not in r and r.get("retained_bytes") is not None]
+    return {"lengths": rows,
+            "fitted_bytes_per_token": slope([r["tokens"] for r in ok], [r["retained_bytes"] for r in ok]),
+            "kv_cache_bytes_per_token": slope([r["tokens"] for r in ok], [r["kv_cache_bytes"] for r in ok])}
+
+
+@torch.no_grad()
+def soak(model, probe, p: MemoryParams, max_len: int, vocab: int, device: str, leak_bytes_per_round: int = 0) -> dict:
+    """Warm-up rounds, then measured rounds of mixed traffic; growth as a slope and as last minus first.
+
+    A round is what hurts allocators in production: a burst of long requests batched together, then
+    short and long requests alternating (which leaves holes in the cache). `leak_bytes_per_round`
+    keeps that many bytes alive per round: a self-test that the detector catches a real leak.
+    """
+    long_len = max(2, int(max_len * p.long_fraction))
+    short_len = max(2, int(max_len * p.short_fraction))
+    kept: list[torch.Tensor] = []
+    samples = []
+    oom = None
+    progress_total = p.warmup_rounds + p.rounds
+    for r in range(progress_total):
+        try:
+            model(_ids(long_len - p.decode_tokens, p.burst_size, vocab, device, r), use_cache=True, logits_to_keep=1)
+            for k in range(p.alternations):
+                n = long_len if k % 2 else short_len
+                model.generate(_ids(n - p.decode_tokens, 1, vocab, device, 1000 * r + k), max_new_tokens=p.decode_tokens,
+                               do_sample=False, pad_token_id=0)
+            if leak_bytes_per_round:
+                kept.append(torch.ones(leak_bytes_per_round // 4, dtype=torch.float32, device=device))
+        except _oom_types() as err:
+            oom = f"round {r}: {type(err).__name__}: {err}"[:300]
+            break
+        probe.sync()
+        if r >= p.warmup_rounds:
+            snap = probe.snapshot()
+            samples.append({"round": r - p.warmup_rounds, "allocated": snap["allocated"],
+                            "reserved": snap["reserved"], "process": snap["process"]})
+    signal = "allocated" if samples and samples[0]["allocated"] is not None else "process"
+    values = [s[signal] for s in samples]
+    end = probe.snapshot()
+    result = {
+        "signal": signal,
+        "rounds": samples,
+        "long_tokens": long_len,
+        "short_tokens": short_len,
+        "growth_bytes_per_round": slope([s["round"] for s in samples], values) if len(values) >= 2 else None,
+        "growth_last_minus_first": (values[-1] - values[0]) if len(values) >= 2 else None,
+        "fragmentation": {
+            "one_minus_allocated_over_reserved": (1 - end["allocated"] / end["reserved"])
+            if end["allocated"] is not None and end["reserved"] else None,
+            "inactive_split_over_reserved": (end["inactive_split"] / end["reserved"])
+            if end["inactive_split"] is not None and end["reserved"] else None,
+        },
+        "oom": oom,
+    }
+    del kept
+    return result
+
+
+def leak_verdict(soak_result: dict, footprint: int, tolerance_pct: float, floor_bytes: int) -> dict:
+    """Leak when the fitted growth over the measured rounds exceeds both tolerance_pct of the load
+    footprint and `floor_bytes` (allocator granularity and interpreter noise sit below the floor).
+
+    The slope, not one sample: vLLM's leak test once failed on a one-off allocation in round 2.
+    """
+    rate = soak_result["growth_bytes_per_round"]
+    if rate is None or not math.isfinite(rate) or footprint <= 0:
+        return {"leak": None, "reason": "too few measured rounds or no footprint to judge"}
+    projected = rate * max(1, len(soak_result["rounds"]) - 1)
+    pct = 100 * projected / footprint
+    leak = pct > tolerance_pct and projected > floor_bytes
+    return {"leak": leak, "projected_growth_bytes": projected, "growth_pct_of_footprint": pct,
+            "tolerance_pct": tolerance_pct, "floor_bytes": floor_bytes,
+            "reason": f"fitted growth {rate:,.0f} B/round, {projected:,.0f} B over the measured rounds = {pct:.3f} % "
+                      f"of the load footprint ({'a leak: above' if leak else 'within'} {tolerance_pct} % and "
+                      f"{floor_bytes:,} B)"}
+
+
+def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0) -> dict:
+    """All phases for one variant, in this process; failures are recorded, never raised."""
+    torch.set_num_threads(p.threads)
+    result: dict = {"variant": Path(variant_dir).name, "device": device, "status": "ok"}
+    probe = make_probe(device)
+    result["method"] = probe.method
+    try:
+        manifest = variant_manifest(variant_dir)
+        # A first load imports the libraries and initialises kernels; the second one is the footprint.
+        model, _ = load_variant(variant_dir, device)
+        del model
+        probe.sync()
+        probe.reset_peak()
+        before = probe.snapshot()
+        started = time.perf_counter()
+        model, _ = load_variant(variant_dir, device)
+        probe.sync()
+        after = probe.snapshot()
+        # CUDA: what the allocator holds after the load. CPU: the tensor bytes, because safetensors maps
+        # weights straight from the file (no heap allocation) and RSS counts pages only once touched.
+        held = tensor_bytes(model)
+        footprint_signal = "allocated" if device == "cuda" else "tensor_bytes"
+        footprint = after["allocated"] - before["allocated"] if device == "cuda" else held
+        config = model.config
+        element = next((t.element_size() for t in model.parameters() if t.is_floating_point()), 2)
+        max_len = min(config.max_position_embeddings, p.max_tokens)
+        result["load"] = {
+            "seconds": round(time.perf_counter() - started, 3),
+            "footprint_bytes": footprint,
+            "footprint_signal": footprint_signal,
+            "tensor_bytes": held,
+            "rss_increase": after["process"] - before["process"] if after["process"] and before["process"] else None,
+            "theoretical_weight_bytes": (manifest.get("theoretical_weight_bytes") or {}).get("total"),
+            "peak": peak_of(after),
+            "before": before,
+            "after": after,
+        }
+        lengths = sorted({max(2, int(max_len * f)) for f in p.seq_fractions})
+        result["sweep"] = sweep(model, probe, lengths, p.decode_tokens, config.vocab_size, device, p.sweep_batch)
+        result["sweep"]["theoretical_kv_bytes_per_token"] = kv_bytes_per_token(config, element)
+        result["soak"] = soak(model, probe, p, max_len, config.vocab_size, device, leak_bytes_per_round)
+        result["leak"] = leak_verdict(result["soak"], footprint, p.leak_tolerance_pct, p.leak_floor_bytes)
+    except Exception as err:  # noqa: BLE001 - a variant that fails to load is that variant's result
+        logging.getLogger().error("memory %s failed", variant_dir, exc_info=True)
+        result.update({"status": "failed", "error": f"{type(err).__name__}: {err}"[:2000]})
+    finally:
+        probe.close()
+    return result
+
+
+def measure_isolated(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0) -> dict:
+    """`measure` in a fresh spawned process: no allocator state shared with the caller or other variants."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(_measure_logged, (str(variant_dir), p, device, leak_bytes_per_round, str(logs.current_log_file)))
+
+
+def _measure_logged(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int, log_file: str) -> dict:
+    logs.setup(log_file=Path(log_file))
+    return measure(variant_dir, p, device, leak_bytes_per_round)
+
+
+# --------------------------------------------------------------------------------------------
+# Every variant together: growth against fp16, and the charts
+# --------------------------------------------------------------------------------------------
+
+
+def summarize(results: dict[str, dict], baseline: str = "fp16") -> dict:
+    """Per variant: footprint, peaks, growth, leak verdict, and growth_excess_pct against the baseline.
+
+    growth_excess_pct = 100 x (variant's projected soak growth - baseline's) / baseline's footprint: the
+    extra growth in bytes on a common denominator, so 3 % means 'grows 3 % of an fp16 model more'.
+    """
+    base = results.get(baseline)
+    base_ok = bool(base) and base.get("status") == "ok"
+    rows = {}
+    for name, r in results.items():
+        if r.get("status") != "ok":
+            rows[name] = {"status": "failed", "error": r.get("error", "no result")}
+            continue
+        growth = r["leak"].get("projected_growth_bytes")
+        row = {"status": "ok", "device": r["device"], "footprint_bytes": r["load"]["footprint_bytes"],
+               "theoretical_weight_bytes": r["load"]["theoretical_weight_bytes"],
+               "peak_by_tokens": {str(x["tokens"]): x.get("decode_peak_increase") for x in r["sweep"]["lengths"]},
+               "fitted_bytes_per_token": r["sweep"]["fitted_bytes_per_token"],
+               "theoretical_kv_bytes_per_token": r["sweep"]["theoretical_kv_bytes_per_token"],
+               "growth_bytes_per_round": r["soak"]["growth_bytes_per_round"], "projected_growth_bytes": growth,
+               "leak": r["leak"]["leak"], "fragmentation": r["soak"]["fragmentation"]["one_minus_allocated_over_reserved"],
+               "growth_excess_pct": None}
+        if base_ok and growth is not None and base["leak"].get("projected_growth_bytes") is not None:
+            row["growth_excess_pct"] = 100 * (growth - base["leak"]["projected_growth_bytes"]) / base["load"]["footprint_bytes"]
+        if base_ok:
+            row["footprint_saving_pct"] = 100 * (1 - r["load"]["footprint_bytes"] / base["load"]["footprint_bytes"])
+        rows[name] = row
+    return {"baseline": baseline, "baseline_ok": base_ok, "variants": rows}
+
+
+def plot_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
+    """Memory over soak rounds and peak against sequence length, every variant on one chart each."""
+    import matplotlib.pyplot as plt
+
+    from pipelines.plots import save
+
+    ok = {n: r for n, r in results.items() if r.get("status") == "ok"}
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for name, r in ok.items():
+        rounds = r["soak"]["rounds"]
+        first = rounds[0][r["soak"]["signal"]] if rounds else 0
+        ax.plot([x["round"] for x in rounds], [(x[r["soak"]["signal"]] - first) / 1024 for x in rounds], marker="o",
+                label=f"{name}{' (LEAK)' if r['leak']['leak'] else ''}")
+    ax.set_xlabel("measured soak round")
+    ax.set_ylabel("growth since first round (KiB)")
+    ax.set_title("Memory over repeated mixed traffic")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    rounds_png = save(fig, out_dir / "memory_over_rounds.png")
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for name, r in ok.items():
+        pts = [(x["tokens"], x["decode_peak_increase"]) for x in r["sweep"]["lengths"] if x.get("decode_peak_increase") is not None]
+        ax.plot([t for t, _ in pts], [b / 2**20 for _, b in pts], marker="o", label=name)
+    ax.set_xlabel("sequence length (tokens)")
+    ax.set_ylabel("decode peak above load (MiB)")
+    ax.set_title("Peak memory against sequence length")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return [rounds_png, save(fig, out_dir / "peak_vs_length.png")]

@@ -1,0 +1,219 @@
+"""Stage `quantize@<variant>`: one checkpoint per variant from the same calibration set.
+
+A small registry maps a method name to its quantizer; each quantizer writes a checkpoint into a
+folder and nothing else. This module adds what every variant needs the same way: the tokenizer,
+the manifest (`quantgate.json`) with settings, library versions, calibration hash, wall time, peak
+memory, bytes on disk against theory, and sha256 of every file. A quantizer that throws is
+recorded as that variant's failure; the other variants go on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from pipelines.errors import QuantgateError
+from pipelines.io import atomic_dir, read_json, sha256_file, write_json
+from pipelines.logs import library_output
+from pipelines.models import ModelSource, VARIANTS_DIR, dtype_of
+from pipelines.params import VariantParams
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "quantgate.json"
+LIBRARIES = ("torch", "transformers", "autoawq", "gptqmodel", "bitsandbytes", "safetensors", "accelerate")
+
+
+@dataclass
+class Job:
+    """Everything a quantizer needs: the base model, the settings, calibration texts and the device."""
+
+    source: ModelSource
+    settings: VariantParams
+    calibration: list[str]
+    device: str
+    max_seq_len: int
+
+
+def _fp16_baseline(job: Job, out: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(job.source.location, dtype=dtype_of(job.settings.dtype))
+    model.save_pretrained(out)
+
+
+def _bnb_int8(job: Job, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    model = AutoModelForCausalLM.from_pretrained(
+        job.source.location, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+        device_map=job.device, dtype=dtype_of(job.settings.dtype))
+    model.save_pretrained(out)
+
+
+def _awq(job: Job, out: Path) -> None:
+    s = job.settings
+    if s.backend == "gptqmodel":
+        if job.device != "cuda":
+            raise QuantgateError("GPTQModel 7.6's AWQ needs CUDA; use backend: autoawq (or auto) on a CPU")
+        _gptqmodel(job, out, quant_method="awq", fmt="gemm")
+        return
+    from awq import AutoAWQForCausalLM
+    from transformers import AutoTokenizer
+
+    model = AutoAWQForCausalLM.from_pretrained(job.source.location, torch_dtype=dtype_of(s.dtype),
+                                               device_map=job.device if job.device == "cuda" else None)
+    tokenizer = AutoTokenizer.from_pretrained(job.source.location)
+    model.quantize(tokenizer, quant_config={"zero_point": s.zero_point, "q_group_size": s.group_size,
+                                            "w_bit": s.bits, "version": "GEMM"},
+                   calib_data=job.calibration, max_calib_samples=len(job.calibration),
+                   max_calib_seq_len=job.max_seq_len)
+    model.save_quantized(str(out))
+
+
+def _gptqmodel(job: Job, out: Path, quant_method: str = "gptq", fmt: str = "gptq") -> None:
+    from gptqmodel import GPTQModel, QuantizeConfig
+
+    s = job.settings
+    config = QuantizeConfig(bits=s.bits, group_size=s.group_size, sym=s.sym, desc_act=s.desc_act,
+                            quant_method=quant_method, format=fmt)
+    model = GPTQModel.load(job.source.location, config, device=job.device, dtype=dtype_of(s.dtype))
+    model.quantize(job.calibration)
+    model.save(str(out))
+
+
+QUANTIZERS: dict[str, Callable[[Job, Path], None]] = {
+    "none": _fp16_baseline,
+    "bnb-int8": _bnb_int8,
+    "awq": _awq,
+    "gptq": _gptqmodel,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Manifest pieces
+# --------------------------------------------------------------------------------------------
+
+
+def library_versions() -> dict[str, str | None]:
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def theoretical_weight_bytes(base_config_dir: str, settings: VariantParams) -> dict:
+    """Weight bytes the settings imply, from the base model's shapes (no weights loaded).
+
+    Quantized linear layers (every nn.Linear in the decoder blocks; lm_head stays unquantized) cost
+    in x out x bits / 8, plus per-group fp16 scales and packed zeros (GPTQ also stores g_idx); int8
+    stores one fp32 scale per output row. Everything else stays in `settings.dtype`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base_config_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    keep_bytes = torch.finfo(dtype_of(settings.dtype)).bits // 8
+    quantized = unquantized = 0.0
+    counted: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and settings.method != "none":
+            n_in, n_out = module.in_features, module.out_features
+            if settings.method == "bnb-int8":
+                quantized += n_in * n_out + 4 * n_out
+            else:
+                groups = -(-n_in // settings.group_size)
+                quantized += n_in * n_out * settings.bits / 8 + groups * n_out * (2 + settings.bits / 8)
+                if settings.method == "gptq":
+                    quantized += 4 * n_in
+            counted.update(f"{name}.{p}" for p, _ in module.named_parameters(recurse=False) if p == "weight")
+    for name, param in model.named_parameters():
+        if name not in counted:
+            unquantized += param.numel() * keep_bytes
+    if config.tie_word_embeddings:
+        unquantized -= model.get_output_embeddings().weight.numel() * keep_bytes
+    return {"quantized_layers": int(quantized), "unquantized": int(unquantized), "total": int(quantized + unquantized)}
+
+
+def file_hashes(folder: Path) -> dict[str, str]:
+    return {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
+
+
+def disk_bytes(folder: Path) -> dict[str, int]:
+    files = [p for p in folder.iterdir() if p.is_file()]
+    return {"weights": sum(p.stat().st_size for p in files if p.suffix == ".safetensors"),
+            "total": sum(p.stat().st_size for p in files)}
+
+
+def peak_memory_bytes(device: str) -> dict[str, int | None]:
+    """Peak RSS of this process (the stage runs in its own process) and, on CUDA, peak allocated."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    cuda = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    return {"peak_rss": rss, "peak_cuda_allocated": cuda}
+
+
+def calibration_texts(built_dir: Path) -> tuple[list[str], str]:
+    """The mixed calibration set and its sha256 (from the calibrate stage's manifest)."""
+    manifest = read_json(built_dir / "manifest.json")
+    rows = [json.loads(line) for line in (built_dir / "mixed.jsonl").read_text(encoding="utf-8").splitlines()]
+    if not rows:
+        raise QuantgateError(f"{built_dir / 'mixed.jsonl'}: the calibration set is empty")
+    return [r["text"] for r in rows], manifest["mixed_sha256"]
+
+
+# --------------------------------------------------------------------------------------------
+# Stage
+# --------------------------------------------------------------------------------------------
+
+
+def quantize_variant(name: str, settings: VariantParams, source: ModelSource, built_dir: Path, device: str,
+                     out_root: Path = VARIANTS_DIR) -> dict:
+    """Quantize one variant into out_root/name; on any error, a manifest that records the failure."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    out_dir = out_root / name
+    manifest = {"variant": name, "method": settings.method, "settings": settings.model_dump(mode="json"),
+                "base_model": source.location, "device": device, "libraries": library_versions()}
+    try:
+        texts, calib_sha = calibration_texts(built_dir)
+        max_positions = getattr(AutoConfig.from_pretrained(source.location), "max_position_embeddings", 2048)
+        job = Job(source, settings, texts, device, min(512, max_positions))
+        manifest["calibration"] = {"sha256": calib_sha, "samples": len(texts)}
+        with atomic_dir(out_dir) as tmp:
+            started = time.perf_counter()
+            with library_output(settings.method):
+                QUANTIZERS[settings.method](job, tmp)
+            manifest["quantize_seconds"] = round(time.perf_counter() - started, 2)
+            if not (tmp / "tokenizer_config.json").exists():  # autoawq saves no tokenizer
+                AutoTokenizer.from_pretrained(source.location).save_pretrained(tmp)
+            manifest.update({
+                "status": "ok",
+                "dtype": settings.dtype,  # of the weights left unquantized (all of them for fp16)
+                "peak_memory_bytes": peak_memory_bytes(device),
+                "theoretical_weight_bytes": theoretical_weight_bytes(source.location, settings),
+                "disk_bytes": disk_bytes(tmp),
+                "files": file_hashes(tmp),
+            })
+            write_json(tmp / MANIFEST, manifest)
+    except Exception as err:  # noqa: BLE001 - one variant's failure must not stop the others
+        logging.getLogger().error("quantize %s failed", name, exc_info=True)
+        where = traceback.extract_tb(err.__traceback__)[-1]
+        message = str(err).strip() or f"raised in {Path(where.filename).name}:{where.lineno} ({where.line})"
+        manifest.update({"status": "failed", "error": f"{type(err).__name__}: {message}"[:2000],
+                         "traceback_tail": traceback.format_exc().splitlines()[-6:]})
+        with atomic_dir(out_dir) as tmp:
+            write_json(tmp / MANIFEST, manifest)
+    return manifest

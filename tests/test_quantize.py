@@ -1,0 +1,97 @@
+"""Quantize the tests' tiny model with every method, reload each through the one loader, check the numbers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pipelines import quantize
+from pipelines.models import ModelSource, VariantFailed, load_variant
+from pipelines.params import VariantParams
+
+PROMPT = "47+38=85\nCustomer: I want a refund for order 12345.\nAgent: I am sorry"
+
+
+@pytest.fixture(scope="module")
+def logits(tiny_variants):
+    out = {}
+    for name, path in tiny_variants.items():
+        model, tok = load_variant(path)
+        ids = tok(PROMPT, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out[name] = model(ids).logits.float()[0]
+    return out
+
+
+def relative_error(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+# Relative logit error measured on the tiny model: int8 0.0005, awq4 0.035, gptq3 0.001 (its one barely
+# trained layer adds little to the logits, so the bounds are loose; docs/quantize.md has reference-model numbers).
+@pytest.mark.parametrize("variant, bound", [("int8", 0.01), ("awq4", 0.15), ("gptq3", 0.15)])
+def test_logits_close_to_fp16_within_method_bounds(logits, variant, bound):
+    err = relative_error(logits[variant], logits["fp16"])
+    assert 0 < err < bound, f"{variant}: relative logit error {err:.4f}"
+
+
+def test_fp16_variant_matches_the_base_model(tiny_model, logits):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(tiny_model)(PROMPT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = base(ids).logits[0]
+    assert relative_error(logits["fp16"], ref) < 2e-3
+
+
+def test_manifests_record_what_was_done(tiny_variants, tiny_calibration):
+    calib_sha = json.loads((tiny_calibration / "manifest.json").read_text())["mixed_sha256"]
+    weights = {}
+    for name, path in tiny_variants.items():
+        m = json.loads((path / "quantgate.json").read_text())
+        assert m["status"] == "ok" and m["calibration"] == {"sha256": calib_sha, "samples": 32}
+        assert m["libraries"]["torch"].startswith("2.13.0") and m["libraries"]["gptqmodel"] == "7.6.0"
+        assert m["quantize_seconds"] > 0 and m["peak_memory_bytes"]["peak_rss"] > 50 * 2**20
+        # every file hashed, and the tokenizer travels with every checkpoint (autoawq saves none)
+        assert set(m["files"]) == {p.name for p in path.iterdir()} - {"quantgate.json"}
+        assert (path / "tokenizer.json").is_file()
+        theory, disk = m["theoretical_weight_bytes"]["total"], m["disk_bytes"]["weights"]
+        assert abs(disk - theory) / theory < 0.03, (name, disk, theory)
+        weights[name] = disk
+    assert weights["fp16"] > weights["int8"] > weights["awq4"] > weights["gptq3"]
+
+
+def test_theoretical_bytes_by_hand(tiny_model):
+    """One decoder layer of 64-wide hidden, 128-wide MLP, 2 KV heads of 32: count GPTQ-3 bytes by hand."""
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    linears = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]  # q k v o gate up down
+    packed = sum(n_in * n_out * 3 / 8 + (n_in // 64) * n_out * (2 + 3 / 8) + 4 * n_in for n_in, n_out in linears)
+    rest = (2 * v * h + 3 * h) * 2  # embeddings, lm_head, 3 norms in fp16
+    got = quantize.theoretical_weight_bytes(str(tiny_model), VariantParams(method="gptq", bits=3, group_size=64))
+    assert got == {"quantized_layers": int(packed), "unquantized": rest, "total": int(packed + rest)}
+
+
+def test_a_failing_quantizer_is_recorded_and_loader_refuses(tmp_path, tiny_model, tiny_calibration):
+    bad = VariantParams(method="gptq", bits=3, group_size=48)  # 48 does not divide the 64-wide layers
+    source = ModelSource("local", str(tiny_model))
+    m = quantize.quantize_variant("gptq3g48", bad, source, tiny_calibration, "cpu", tmp_path)
+    assert m["status"] == "failed" and m["error"]
+    assert [p.name for p in (tmp_path / "gptq3g48").iterdir()] == ["quantgate.json"]
+    with pytest.raises(VariantFailed, match="gptq3g48 is not usable"):
+        load_variant(tmp_path / "gptq3g48")
+
+
+def test_missing_calibration_set_is_a_recorded_failure(tmp_path, tiny_model):
+    m = quantize.quantize_variant("int8", VariantParams(method="bnb-int8"), ModelSource("local", str(tiny_model)),
+                                  tmp_path / "nowhere", "cpu", tmp_path)
+    assert m["status"] == "failed" and "manifest.json: file not found" in m["error"]
+
+
+def test_awq_rejects_bits_it_cannot_make():
+    with pytest.raises(ValueError, match="method 'awq' takes bits 4, got 3"):
+        VariantParams(method="awq", bits=3)
