@@ -213,6 +213,10 @@ def sweep(model, probe, lengths: list[int], decode_tokens: int, vocab: int, devi
     Decode runs one sequence and generates `decode_tokens` tokens.
     """
     rows = []
+    try:  # warm-up at the longest length: first-call allocations (kernels, caches) are not a length's cost
+        model.generate(_ids(max(lengths), 1, vocab, device, 0), max_new_tokens=1, do_sample=False, pad_token_id=0)
+    except _oom_types():
+        pass
     for n in lengths:
         row: dict = {"tokens": n}
         try:
