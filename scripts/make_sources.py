@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/make_sources.py
 
-writes calibration_sets/sources/chat/dialogues.jsonl and calibration_sets/traffic/production_sample.jsonl.
+writes calibration_sets/sources/chat/dialogues.jsonl, calibration_sets/traffic/production_sample.jsonl
+and the probe items eval/<domain>/items.jsonl.
 tests/test_calibrate.py checks that the committed files equal what this script writes.
 """
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines import synthetic  # noqa: E402
+from pipelines import probes, synthetic  # noqa: E402
 from pipelines.code_comments import bare_functions  # noqa: E402
 from pipelines.io import write_jsonl  # noqa: E402
 from pipelines.reference import code_samples  # noqa: E402
@@ -22,6 +23,7 @@ DIALOGUES = Path("calibration_sets/sources/chat/dialogues.jsonl")
 TRAFFIC = Path("calibration_sets/traffic/production_sample.jsonl")
 DIALOGUE_SEED, DIALOGUE_COUNT = 1234, 480
 TRAFFIC_SEED, TRAFFIC_COUNT = 4321, 400
+PROBES = {"math": probes.math_probes, "code_comment": probes.code_comment_probes, "chat": probes.chat_probes}
 
 
 def dialogue_rows() -> list[dict]:
@@ -41,4 +43,6 @@ def traffic_rows() -> list[dict]:
 if __name__ == "__main__":
     write_jsonl(DIALOGUES, dialogue_rows())
     write_jsonl(TRAFFIC, traffic_rows())
-    print(f"wrote {DIALOGUES} and {TRAFFIC}")
+    for domain, make in PROBES.items():
+        write_jsonl(Path("eval") / domain / "items.jsonl", make())
+    print(f"wrote {DIALOGUES}, {TRAFFIC} and eval/*/items.jsonl")

@@ -1,0 +1,42 @@
+"""Probe items: committed files equal their seeded generators, enough items, stable unique ids, tasks load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines import probes
+
+GENERATORS = {"math": probes.math_probes, "code_comment": probes.code_comment_probes, "chat": probes.chat_probes}
+
+
+@pytest.mark.parametrize("domain", sorted(GENERATORS))
+def test_committed_items_equal_the_generator(domain):
+    committed = [json.loads(line) for line in Path(f"eval/{domain}/items.jsonl").read_text().splitlines()]
+    assert committed == GENERATORS[domain]()
+    ids = [item["id"] for item in committed]
+    assert len(ids) >= 200 and len(set(ids)) == len(ids)
+
+
+def test_math_additions_are_held_out_from_reference_training():
+    from pipelines import synthetic
+
+    train, _ = synthetic.split_addition_pairs(0, 500)
+    trained = {f"{a}+{b}=" for a, b in train}
+    adds = [i for i in probes.math_probes() if i["kind"] == "add"]
+    assert len(adds) == 100 and not any(i["question"] in trained for i in adds)
+    assert {i["kind"] for i in probes.math_probes()} >= {"root", "fraction", "latex_frac", "power", "div"}
+
+
+def test_multiple_choice_items_have_one_gold_among_four():
+    for item in probes.chat_probes() + probes.code_comment_probes():
+        assert len(item["choices"]) == 4 and len(set(item["choices"])) == 4 and 0 <= item["gold"] < 4
+
+
+def test_task_yamls_load_in_lm_eval():
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path="eval", include_defaults=False)
+    assert {"quantgate_math", "quantgate_chat", "quantgate_code_comment"} <= set(tm.all_tasks)
