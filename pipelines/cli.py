@@ -173,6 +173,52 @@ def cmd_memory_report(args: argparse.Namespace) -> int:
     return 0
 
 
+EVAL_RESULTS = RESULTS / "eval"
+FIDELITY_BASE = EVAL_RESULTS / "fidelity_base.safetensors"
+
+
+def cmd_fidelity_base(args: argparse.Namespace) -> int:
+    """The fp16 baseline's next-token distributions over held-out text, computed once for every variant."""
+    from pipelines import evaluate, fidelity
+    from pipelines.models import VARIANTS_DIR, load_variant, resolve_device
+    from pipelines.params import load_params
+
+    params = load_params()
+    device = resolve_device(params.device)
+    model, tokenizer = load_variant(VARIANTS_DIR / "fp16", device)  # a failed fp16 stops here: no baseline, no A/B
+    texts = evaluate.fidelity_texts(params.evaluate.domains, params.evaluate.fidelity_texts)
+    fidelity.save_base(fidelity.base_record(model, tokenizer, texts, params.evaluate.top_k, device), FIDELITY_BASE)
+    log.info("fidelity-base: fp16 top-%d log-probs over %d texts per domain -> %s", params.evaluate.top_k,
+             params.evaluate.fidelity_texts, FIDELITY_BASE)
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Probes through lm-eval (per item) and fidelity against the stored fp16 distributions."""
+    from pipelines import evaluate
+    from pipelines.io import write_json, write_jsonl
+    from pipelines.models import VARIANTS_DIR, resolve_device
+    from pipelines.params import load_params
+
+    params = load_params()
+    params.model_under_test(args.variant)
+    p = params.evaluate
+    with logs.progress(total=1, desc=f"evaluate {args.variant}", bar_format="{desc}: {elapsed}") as bar:
+        result, items = evaluate.evaluate_variant(str(VARIANTS_DIR / args.variant), FIDELITY_BASE, p.domains,
+                                                  p.batch_size, resolve_device(params.device), p.limit)
+        bar.update()
+    write_jsonl(EVAL_RESULTS / args.variant / "items.jsonl", items)
+    write_json(EVAL_RESULTS / f"{args.variant}.json", result)
+    if result["status"] == "ok":
+        for domain, row in result["probes"].items():
+            fid = result["fidelity"][domain]
+            log.info("evaluate %s %-12s %s %.3f (%d items)  KL mean %.5f  same top-1 %.1f%%", args.variant, domain,
+                     row["metric"], row["score"], row["items"], fid["kl"]["mean"], 100 * fid["same_top1"])
+    else:
+        log.warning("evaluate %s: FAILED (%s)", args.variant, result["error"])
+    return 0
+
+
 def tracking_uri() -> str:
     """MLFLOW_TRACKING_URI when set, else the SQLite store at the repository root (DVC_ROOT in dvc runs)."""
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
@@ -219,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("memory-report", help="stage 4b: all variants' memory on one chart, growth vs fp16")
     p.set_defaults(func=cmd_memory_report)
+
+    p = sub.add_parser("fidelity-base", help="stage 5a: fp16 next-token distributions over held-out text, stored once")
+    p.set_defaults(func=cmd_fidelity_base)
+
+    p = sub.add_parser("evaluate", help="stage 5: lm-eval probes per item + fidelity vs fp16 -> results/eval/<variant>.json")
+    p.add_argument("variant")
+    p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 over the local tracking store")
     p.add_argument("--port", type=int, default=5000)

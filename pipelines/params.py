@@ -192,6 +192,16 @@ class MemoryParams(Section):
         return self
 
 
+class EvaluateParams(Section):
+    """Probes through lm-eval and token-level fidelity against fp16."""
+
+    domains: list[Literal["chat", "code_comment", "math"]] = ["math", "chat", "code_comment"]
+    batch_size: int = Field(16, gt=0)  # fixed: lm-eval scores can move with batch size
+    limit: int | None = Field(None, gt=0)  # items per task; None = all (use only for smoke runs)
+    fidelity_texts: int = Field(50, gt=0)  # held-out texts per domain
+    top_k: int = Field(64, gt=0)  # stored base log-probs per token
+
+
 class MlflowParams(Section):
     experiment: str = "quantgate"
 
@@ -207,6 +217,7 @@ class Params(Section):
     variants: dict[str, VariantParams] = Field(default_factory=lambda: dict(DEFAULT_VARIANTS))
     candidates: dict[str, CandidateParams] = {}
     memory: MemoryParams = MemoryParams()
+    evaluate: EvaluateParams = EvaluateParams()
     mlflow: MlflowParams = MlflowParams()
 
     @model_validator(mode="after")

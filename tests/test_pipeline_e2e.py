@@ -42,6 +42,7 @@ def pipeline_run(tmp_path_factory):
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["reference"].update(TINY_REFERENCE)
     params["calibration"].update(samples=64, max_tokens=96)
+    params["evaluate"].update(limit=20, fidelity_texts=5)
     params["memory"].update(seq_fractions=[0.5, 1.0], warmup_rounds=1, rounds=10, alternations=2, burst_size=2)
     broken = repo / "third_party" / "vendor-gptq"  # a candidate that must be rejected, not crash the pipeline
     broken.mkdir(parents=True)
@@ -101,6 +102,22 @@ def test_memory_stage_per_variant_and_summary(pipeline_run):
         assert rows[variant]["leak"] is False
     assert rows["vendor-gptq"]["status"] == "failed" and "not usable" in rows["vendor-gptq"]["error"]
     assert (repo / "results" / "plots" / "memory_over_rounds.png").is_file()
+
+
+def test_evaluate_stage_per_variant(pipeline_run):
+    repo, _, _ = pipeline_run
+    ids = {}
+    for variant in ("fp16", "int8", "awq4", "gptq3"):
+        result = json.loads((repo / "results" / "eval" / f"{variant}.json").read_text())
+        assert result["status"] == "ok", result.get("error")
+        assert {d: r["items"] for d, r in result["probes"].items()} == {"math": 20, "chat": 20, "code_comment": 20}
+        items = [json.loads(line) for line in (repo / "results" / "eval" / variant / "items.jsonl").read_text().splitlines()]
+        ids[variant] = [(i["task"], i["item_id"], i["prompt_hash"]) for i in items]
+    assert ids["fp16"] == ids["int8"] == ids["awq4"] == ids["gptq3"]  # pairable by id, same prompts
+    fp16 = json.loads((repo / "results" / "eval" / "fp16.json").read_text())
+    assert all(f["kl"]["max"] < 1e-4 and f["same_top1"] == 1.0 for f in fp16["fidelity"].values())
+    rejected = json.loads((repo / "results" / "eval" / "vendor-gptq.json").read_text())
+    assert rejected["status"] == "failed" and "not usable" in rejected["error"]
 
 
 def test_second_repro_does_nothing_and_says_so(pipeline_run):

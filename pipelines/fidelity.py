@@ -1,0 +1,129 @@
+"""Token-level fidelity against fp16, the way llama.cpp's `--kl-divergence` does it.
+
+The fp16 baseline's next-token distributions over held-out domain text are computed once and stored
+compactly (top-k float32 log-probabilities plus the log-probability of the correct token, safetensors);
+each variant is compared against that file, never against a second fp16 forward pass.
+
+With top-k storage, KL is computed over the base's k most likely tokens plus one bucket for all the
+rest: KL(P_base || P_q) over that coarser partition. It is exact when k = vocabulary size and a
+lower bound otherwise (merging outcomes never increases KL).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PERCENTILES = {"max": 100, "p99_9": 99.9, "p99": 99, "p95": 95, "p90": 90, "median": 50, "p10": 10, "p5": 5,
+               "p1": 1, "p0_1": 0.1, "min": 0}
+
+
+@torch.no_grad()
+def _log_probs(model, ids: list[int], device: str) -> torch.Tensor:
+    """log-softmax of the next-token logits at every position but the last, float32."""
+    out = model(torch.tensor([ids], device=device)).logits[0, :-1].float()
+    return torch.log_softmax(out, dim=-1).cpu()
+
+
+def encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    return [ids for ids in tokenizer(texts, add_special_tokens=False)["input_ids"] if len(ids) >= 2]
+
+
+@torch.no_grad()
+def base_record(model, tokenizer, texts_by_domain: dict[str, list[str]], top_k: int, device: str = "cpu") -> dict:
+    """The base's top-k log-probs, their token ids, and the correct token's log-prob, per scored token."""
+    tensors: dict[str, torch.Tensor] = {}
+    for domain, texts in texts_by_domain.items():
+        seqs = encode(tokenizer, texts)
+        k = min(top_k, model.config.vocab_size)
+        vals, idx, correct, lengths, ids_flat = [], [], [], [], []
+        for ids in seqs:
+            lp = _log_probs(model, ids, device)
+            top = lp.topk(k, dim=-1)
+            vals.append(top.values)  # float32: fp16 rounding (~1e-3) would swamp an int8 model's KL
+            idx.append(top.indices.int())
+            correct.append(lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])])
+            lengths.append(len(ids))
+            ids_flat.extend(ids)
+        tensors[f"{domain}.top_logprobs"] = torch.cat(vals)
+        tensors[f"{domain}.top_ids"] = torch.cat(idx)
+        tensors[f"{domain}.correct_logprob"] = torch.cat(correct)
+        tensors[f"{domain}.lengths"] = torch.tensor(lengths, dtype=torch.int32)
+        tensors[f"{domain}.input_ids"] = torch.tensor(ids_flat, dtype=torch.int32)
+    return tensors
+
+
+def save_base(tensors: dict, path: Path) -> None:
+    """Write through a temp file and rename, like every other output."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata={"format": "quantgate-fidelity-v1"})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_base(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _stats(values: np.ndarray) -> dict:
+    n = len(values)
+    return {"mean": float(values.mean()), "stderr": float(values.std(ddof=1) / math.sqrt(n)) if n > 1 else None,
+            **{name: float(np.percentile(values, q)) for name, q in PERCENTILES.items()}}
+
+
+@torch.no_grad()
+def compare(model, base: dict, domains: list[str], device: str = "cpu") -> dict:
+    """Per domain: KL mean ± SE and percentiles, same top-1 ± SE, RMS Δp, PPL(Q)/PPL(base)."""
+    report = {}
+    for domain in domains:
+        lengths = base[f"{domain}.lengths"].tolist()
+        flat = base[f"{domain}.input_ids"].tolist()
+        top_lp = base[f"{domain}.top_logprobs"].float()
+        top_ids = base[f"{domain}.top_ids"].long()
+        base_correct = base[f"{domain}.correct_logprob"]
+        kls, q_correct = [], []
+        start = 0
+        for n in lengths:
+            ids = flat[start : start + n]
+            start += n
+            lp = _log_probs(model, ids, device)
+            q_correct.append(lp[torch.arange(n - 1), torch.tensor(ids[1:])])
+            kls.append(lp)
+        q_lp = torch.cat(kls)
+        q_correct_t = torch.cat(q_correct)
+        p_top = top_lp.exp()
+        q_top = q_lp.gather(1, top_ids).exp()
+        p_rest = (1 - p_top.sum(-1)).clamp_min(0)
+        q_rest = (1 - q_top.sum(-1)).clamp_min(1e-12)
+        kl = (p_top * (top_lp - q_top.clamp_min(1e-12).log())).sum(-1)
+        kl = kl + torch.where(p_rest > 1e-9, p_rest * (p_rest.clamp_min(1e-12).log() - q_rest.log()), torch.zeros_like(kl))
+        kl = kl.clamp_min(0).numpy()
+        # the base's top token is also (one of) the variant's most likely: ties count as agreement
+        same = (q_lp.gather(1, top_ids[:, :1]).squeeze(1) >= q_lp.max(dim=-1).values).float().numpy()
+        dp = (q_correct_t.exp() - base_correct.exp()).numpy()
+        n_tok = len(kl)
+        ln_ratio = float((base_correct - q_correct_t).mean())  # mean NLL(Q) - mean NLL(base)
+        report[domain] = {
+            "tokens": n_tok,
+            "kl": _stats(kl),
+            "same_top1": float(same.mean()),
+            "same_top1_stderr": float(math.sqrt(same.mean() * (1 - same.mean()) / n_tok)),
+            "rms_delta_p": float(np.sqrt((dp**2).mean())),
+            "mean_delta_p": float(dp.mean()),
+            "ppl_base": float(math.exp(-base_correct.mean())),
+            "ppl_q": float(math.exp(-q_correct_t.mean())),
+            "ln_ppl_ratio": ln_ratio,
+            "ppl_ratio": float(math.exp(ln_ratio)),
+        }
+    return report
