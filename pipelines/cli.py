@@ -40,10 +40,12 @@ def cmd_reference(args: argparse.Namespace) -> int:
         log.info("reference: skipped: %s", reason)
         return 0
     report = reference.build(params.reference, REFERENCE_DIR, report_path)
+    functions = report["function_pass_rate"]
     log.info(
-        "reference: %s params, held-out addition exact match %.1f%%, code-comment %.1f%%, chat %.1f%% "
-        "(chance 25%%) -> %s",
+        "reference: %s params, held-out addition exact match %.1f%%, held-out functions pass@1 %s, "
+        "code-comment %.1f%%, chat %.1f%% (chance 25%%) -> %s",
         f"{report['parameters']:,}", 100 * report["addition_exact_match"],
+        "n/a (no sandbox isolation)" if functions is None else f"{100 * functions:.1f}%",
         100 * report["code_comment_accuracy"], 100 * report["chat_accuracy"], report_path,
     )
     return 0
@@ -205,12 +207,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     p = params.evaluate
     with logs.progress(total=1, desc=f"evaluate {args.variant}", bar_format="{desc}: {elapsed}") as bar:
         result, items = evaluate.evaluate_variant(str(VARIANTS_DIR / args.variant), FIDELITY_BASE, p.domains,
-                                                  p.batch_size, resolve_device(params.device), p.limit)
+                                                  p.batch_size, resolve_device(params.device), p.limit,
+                                                  p.allow_unisolated_code)
         bar.update()
     write_jsonl(EVAL_RESULTS / args.variant / "items.jsonl", items)
     write_json(EVAL_RESULTS / f"{args.variant}.json", result)
     if result["status"] == "ok":
         for domain, row in result["probes"].items():
+            if row["status"] != "ok":
+                log.warning("evaluate %s %-12s REFUSED: %s", args.variant, domain, row["reason"])
+                continue
             fid = result["fidelity"][domain]
             log.info("evaluate %s %-12s %s %.3f (%d items)  KL mean %.5f  same top-1 %.1f%%", args.variant, domain,
                      row["metric"], row["score"], row["items"], fid["kl"]["mean"], 100 * fid["same_top1"])

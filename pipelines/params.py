@@ -46,6 +46,7 @@ class ReferenceParams(Section):
     math_lines: int = Field(3000, ge=0)
     dialogues: int = Field(600, ge=24)
     code_repeats: int = Field(2, ge=0)
+    function_repeats: int = Field(3, ge=0)  # small functions (the code probes' kind), held-out ones excluded
     eval_items: int = Field(200, gt=0)
 
 
@@ -195,7 +196,8 @@ class MemoryParams(Section):
 class EvaluateParams(Section):
     """Probes through lm-eval and token-level fidelity against fp16."""
 
-    domains: list[Literal["chat", "code_comment", "math"]] = ["math", "chat", "code_comment"]
+    domains: list[Literal["chat", "code", "code_comment", "math"]] = ["math", "code", "chat", "code_comment"]
+    allow_unisolated_code: bool = False  # run code probes even where the sandbox cannot isolate
     batch_size: int = Field(16, gt=0)  # fixed: lm-eval scores can move with batch size
     limit: int | None = Field(None, gt=0)  # items per task; None = all (use only for smoke runs)
     fidelity_texts: int = Field(50, gt=0)  # held-out texts per domain

@@ -37,3 +37,19 @@ def chat_probes(seed: int = PROBE_SEED, count: int = ITEMS_PER_DOMAIN) -> list[d
     """Pick the agent's reply to a customer turn among 4 (English and Chinese)."""
     items = chat_items(synthetic.dialogues(seed, 4 * count), seed, count)
     return [{"id": f"chat-{i:04d}", **item} for i, item in enumerate(items)]
+
+
+def code_probes(seed: int = PROBE_SEED, count: int = ITEMS_PER_DOMAIN) -> list[dict]:
+    """Complete a function body, run against unit tests: the reference model's held-out cases first,
+    then trained ones (`seen_in_training`) up to `count`."""
+    trained, held_out = synthetic.split_function_cases(0)  # the reference model's split (seed 0)
+    extra = sorted(trained)
+    random.Random(seed).shuffle(extra)
+    cases = [(c, False) for c in held_out] + [(c, True) for c in extra[: max(0, count - len(held_out))]]
+    items = []
+    for i, ((template, n), seen) in enumerate(cases[:count]):
+        source = synthetic.function_source(template, n)
+        prompt, body = source.rsplit("return", 1)
+        items.append({"id": f"code-{i:04d}", "template": template, "seen_in_training": seen,
+                      "prompt": prompt + "return", "canonical": body, "tests": synthetic.function_tests(template, n)})
+    return items

@@ -62,6 +62,8 @@ def build_corpus(p: ReferenceParams, code_root: Path = CODE_SOURCES) -> Corpus:
     docs += [s.text for s in code] * p.code_repeats
     docs += files
     docs += [synthetic.dialogue_text(d) for d in chat]
+    trained_functions, _ = synthetic.split_function_cases(p.seed)
+    docs += [synthetic.function_source(t, n) for t, n in trained_functions] * p.function_repeats
     return Corpus(docs, held_out, code, chat, files)
 
 
@@ -234,6 +236,8 @@ def chat_items(dialogues: list[dict], seed: int, count: int, n_choices: int = 4)
 def skill_report(model, tokenizer, corpus: Corpus, p: ReferenceParams) -> dict:
     """The figures results/reference.json holds, with the chance level beside each."""
     code_items = code_comment_items(corpus.code, p.seed, p.eval_items)
+    _, held_out_functions = synthetic.split_function_cases(p.seed)
+    pass_rate = function_pass_rate(model, tokenizer, held_out_functions[: p.eval_items])
     talk_items = chat_items(corpus.chat, p.seed, p.eval_items)
     return {
         "addition_exact_match": round(addition_exact_match(model, tokenizer, corpus.held_out_additions), 4),
@@ -244,6 +248,8 @@ def skill_report(model, tokenizer, corpus: Corpus, p: ReferenceParams) -> dict:
         "chat_accuracy": round(multiple_choice_accuracy(model, tokenizer, talk_items), 4),
         "chat_items": len(talk_items),
         "chat_chance": 0.25,
+        "function_pass_rate": None if pass_rate is None else round(pass_rate, 4),
+        "function_items": min(len(held_out_functions), p.eval_items),
     }
 
 
@@ -283,3 +289,26 @@ def build(p: ReferenceParams, out_dir: Path, report_path: Path) -> dict:
               "final_loss": round(sum(losses[-20:]) / min(20, len(losses)), 4), **skills}
     write_json(report_path, report)
     return report
+
+
+@torch.no_grad()
+def function_pass_rate(model, tokenizer, cases: list[tuple[str, int]], batch_size: int = 64) -> float:
+    """Greedy completion of each held-out function's body, executed against its tests in the sandbox.
+
+    None when the sandbox cannot isolate on this machine: model-written code never runs unisolated here.
+    """
+    from pipelines.sandbox import isolation_available, run_python
+
+    if not isolation_available():
+        return None
+    passed = 0
+    for start in range(0, len(cases), batch_size):
+        chunk = cases[start : start + batch_size]
+        for t, n in chunk:
+            prompt = synthetic.function_source(t, n).rsplit("return", 1)[0] + "return"
+            ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+            out = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            completion = tokenizer.decode(out[0, ids.shape[1]:]).split("</s>")[0].split("\n")[0]
+            program = prompt + completion + "\n" + synthetic.function_tests(t, n)
+            passed += run_python(program).passed
+    return passed / len(cases)

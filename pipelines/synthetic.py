@@ -252,3 +252,45 @@ def traffic_sample(seed: int, count: int, bare_code: list[str], commented: list[
                                                    commented=f"{comment}\n{code}")
         rows.append({"id": f"req-{n:05d}", "text": text, "kind": kind})
     return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Small Python functions with unit tests (the code probes: completions are executed, pass@1)
+# --------------------------------------------------------------------------------------------
+
+# template -> (signature with {n}, body with {n}, test inputs, reference implementation)
+FUNCTIONS: dict[str, tuple[str, str, list, object]] = {
+    "add": ("def add_{n}(x):", "return x + {n}", [0, 3, -5], lambda n, x: x + n),
+    "sub": ("def sub_{n}(x):", "return x - {n}", [0, 40, -2], lambda n, x: x - n),
+    "mul": ("def mul_{n}(x):", "return x * {n}", [0, 2, -3], lambda n, x: x * n),
+    "mod": ("def is_multiple_of_{n}(x):", "return x % {n} == 0", [0, 7, 12, 30], lambda n, x: x % n == 0),
+    "first": ("def first_{n}(items):", "return items[:{n}]", [list(range(12)), [5, 4]], lambda n, x: x[:n]),
+    "last": ("def last_{n}(items):", "return items[-{n}:]", [list(range(12)), [5, 4, 3]], lambda n, x: x[-n:]),
+    "power": ("def power_{n}(x):", "return x ** {n}", [0, 2, 3], lambda n, x: x**n),
+}
+FUNCTION_RANGE = {"add": range(1, 100), "sub": range(1, 100), "mul": range(2, 31), "mod": range(2, 31),
+                  "first": range(1, 21), "last": range(1, 21), "power": range(2, 7)}
+
+
+def function_cases() -> list[tuple[str, int]]:
+    return [(t, n) for t in FUNCTIONS for n in FUNCTION_RANGE[t]]
+
+
+def split_function_cases(seed: int, held_out_share: float = 0.35) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(trained, held out) function cases; the code probes use the held-out ones."""
+    cases = function_cases()
+    random.Random(seed).shuffle(cases)
+    cut = int(len(cases) * held_out_share)
+    return sorted(cases[cut:]), sorted(cases[:cut])
+
+
+def function_source(template: str, n: int) -> str:
+    signature, body, _, _ = FUNCTIONS[template]
+    return f"{signature.format(n=n)}\n    {body.format(n=n)}"
+
+
+def function_tests(template: str, n: int) -> str:
+    """Assertions computed from the reference implementation, not from the body text."""
+    signature, _, inputs, impl = FUNCTIONS[template]
+    name = signature.format(n=n)[4:].split("(")[0]
+    return "".join(f"assert {name}({x!r}) == {impl(n, x)!r}\n" for x in inputs)

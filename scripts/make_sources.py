@@ -23,7 +23,7 @@ DIALOGUES = Path("calibration_sets/sources/chat/dialogues.jsonl")
 TRAFFIC = Path("calibration_sets/traffic/production_sample.jsonl")
 DIALOGUE_SEED, DIALOGUE_COUNT = 1234, 480
 TRAFFIC_SEED, TRAFFIC_COUNT = 4321, 400
-PROBES = {"math": probes.math_probes, "code_comment": probes.code_comment_probes, "chat": probes.chat_probes}
+PROBES = {"math": probes.math_probes, "code": probes.code_probes, "code_comment": probes.code_comment_probes, "chat": probes.chat_probes}
 
 
 def dialogue_rows() -> list[dict]:

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_REFERENCE = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "layers": 1, "heads": 2, "kv_heads": 2,
     "max_position_embeddings": 512, "seq_len": 32, "batch_size": 8, "steps": 30, "held_out_additions": 50,
-    "math_lines": 200, "dialogues": 48, "code_repeats": 1, "addition_repeats": 1, "eval_items": 20, "threads": 1,
+    "math_lines": 200, "dialogues": 48, "code_repeats": 1, "function_repeats": 1, "addition_repeats": 1, "eval_items": 20, "threads": 1,
 }
 
 

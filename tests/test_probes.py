@@ -9,7 +9,7 @@ import pytest
 
 from pipelines import probes
 
-GENERATORS = {"math": probes.math_probes, "code_comment": probes.code_comment_probes, "chat": probes.chat_probes}
+GENERATORS = {"math": probes.math_probes, "code": probes.code_probes, "code_comment": probes.code_comment_probes, "chat": probes.chat_probes}
 
 
 @pytest.mark.parametrize("domain", sorted(GENERATORS))
@@ -39,4 +39,15 @@ def test_task_yamls_load_in_lm_eval():
     from lm_eval.tasks import TaskManager
 
     tm = TaskManager(include_path="eval", include_defaults=False)
-    assert {"quantgate_math", "quantgate_chat", "quantgate_code_comment"} <= set(tm.all_tasks)
+    assert {"quantgate_math", "quantgate_chat", "quantgate_code_comment", "quantgate_code"} <= set(tm.all_tasks)
+
+
+def test_code_items_pass_their_own_tests_with_the_canonical_body():
+    """Every item is solvable: prompt + canonical body passes its tests; a wrong body fails them."""
+    for item in probes.code_probes()[::25]:
+        namespace: dict = {}
+        exec(item["prompt"] + item["canonical"] + "\n" + item["tests"], namespace)  # our own canonical code
+        with pytest.raises(AssertionError):
+            exec(item["prompt"] + " None\n" + item["tests"], {})
+    held = [i for i in probes.code_probes() if not i["seen_in_training"]]
+    assert len(held) >= 100

@@ -74,3 +74,16 @@ def test_report_has_every_skill_figure(tiny_model):
     assert report["addition_items"] == 50 and report["code_comment_items"] == 20 and report["chat_items"] == 20
     for key in ("addition_exact_match", "code_comment_accuracy", "chat_accuracy"):
         assert 0.0 <= report[key] <= 1.0
+    from pipelines import sandbox
+
+    if sandbox.isolation_available():
+        assert report["function_items"] == 20 and 0.0 <= report["function_pass_rate"] <= 1.0
+    else:
+        assert report["function_pass_rate"] is None  # never runs model-written code unisolated
+
+
+def test_held_out_functions_are_never_trained_on(tiny_params):
+    corpus = reference.build_corpus(tiny_params)
+    _, held_out = synthetic.split_function_cases(tiny_params.seed)
+    trained = set(corpus.documents)
+    assert held_out and not any(synthetic.function_source(t, n) in trained for t, n in held_out)
