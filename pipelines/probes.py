@@ -27,9 +27,28 @@ def math_probes(seed: int = PROBE_SEED, count: int = ITEMS_PER_DOMAIN) -> list[d
     return [{"id": f"math-{i:04d}", **item} for i, item in enumerate(items)]
 
 
+def docstring_items(seed: int, count: int, n_choices: int = 4) -> list[dict]:
+    """Given a function's signature, pick its docstring's first line among those of other functions."""
+    rng = random.Random(seed)
+    pool = []
+    for s in code_samples():
+        lines = s.code.split("\n")
+        if s.kind == "docstring" and len(lines) > 1 and lines[1].strip().startswith('"""') and lines[0].endswith(":"):
+            pool.append((lines[0], lines[1][: len(lines[1]) - len(lines[1].lstrip())], s.comment.splitlines()[0]))
+    items = []
+    for signature, indent, first in rng.sample(pool, min(count, len(pool))):
+        wrong = rng.sample(sorted({f for _, _, f in pool if f != first}), n_choices - 1)
+        gold = rng.randrange(n_choices)
+        items.append({"context": f'{signature}\n{indent}"""', "choices": wrong[:gold] + [first] + wrong[gold:], "gold": gold})
+    return items
+
+
 def code_comment_probes(seed: int = PROBE_SEED, count: int = ITEMS_PER_DOMAIN) -> list[dict]:
-    """Pick the code a comment describes among 4 (from the shipped code snapshot)."""
-    items = code_comment_items(code_samples(), seed, count)
+    """Both directions, from the shipped code snapshot: the code a comment describes (half), and the
+    right comment (docstring) for a piece of code (half); `direction` says which."""
+    to_code = code_comment_items(code_samples(), seed, count // 2)
+    to_comment = docstring_items(seed, count - count // 2)
+    items = [{"direction": "comment_to_code", **i} for i in to_code] + [{"direction": "code_to_comment", **i} for i in to_comment]
     return [{"id": f"code_comment-{i:04d}", **item} for i, item in enumerate(items)]
 
 

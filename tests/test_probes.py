@@ -51,3 +51,11 @@ def test_code_items_pass_their_own_tests_with_the_canonical_body():
             exec(item["prompt"] + " None\n" + item["tests"], {})
     held = [i for i in probes.code_probes() if not i["seen_in_training"]]
     assert len(held) >= 100
+
+
+def test_code_comment_probes_cover_both_directions():
+    items = probes.code_comment_probes()
+    directions = [i["direction"] for i in items]
+    assert directions.count("comment_to_code") == 100 and directions.count("code_to_comment") == 100
+    doc = next(i for i in items if i["direction"] == "code_to_comment")
+    assert doc["context"].startswith("def ") and doc["context"].endswith('"""')
