@@ -112,8 +112,8 @@ def model_config(p: ReferenceParams, vocab_size: int):
     )
 
 
-def token_stream(docs: list[str], tokenizer, seed: int) -> list[list[int]]:
-    """Each document's token ids followed by </s>; shuffled per epoch by the caller's seed."""
+def token_stream(docs: list[str], tokenizer) -> list[list[int]]:
+    """Each document's token ids followed by </s> (`batches` shuffles them per epoch)."""
     eos = tokenizer.eos_token_id
     return [ids + [eos] for ids in tokenizer(docs, add_special_tokens=False)["input_ids"]]
 
@@ -269,7 +269,7 @@ def build(p: ReferenceParams, out_dir: Path, report_path: Path) -> dict:
 
     corpus = build_corpus(p)
     tokenizer = train_tokenizer(corpus.documents, p.vocab_size)
-    encoded = token_stream(corpus.documents, tokenizer, p.seed)
+    encoded = token_stream(corpus.documents, tokenizer)
     log.info("corpus: %d documents, %d tokens", len(encoded), sum(map(len, encoded)))
 
     model = LlamaForCausalLM(model_config(p, len(tokenizer)))
@@ -277,16 +277,14 @@ def build(p: ReferenceParams, out_dir: Path, report_path: Path) -> dict:
     train_seconds = time.perf_counter() - started
     skills = skill_report(model, tokenizer, corpus, p)
 
+    final_loss = round(sum(losses[-20:]) / min(20, len(losses)), 4)
     with atomic_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        write_json(
-            tmp / "training.json",
-            {"steps": p.steps, "final_loss": round(sum(losses[-20:]) / min(20, len(losses)), 4),
-             "train_seconds": round(train_seconds, 1), "parameters": model.num_parameters()},
-        )
+        write_json(tmp / "training.json", {"steps": p.steps, "final_loss": final_loss,
+                                          "train_seconds": round(train_seconds, 1), "parameters": model.num_parameters()})
     report = {"status": "built", "model": str(out_dir), "parameters": model.num_parameters(),
-              "final_loss": round(sum(losses[-20:]) / min(20, len(losses)), 4), **skills}
+              "final_loss": final_loss, **skills}
     write_json(report_path, report)
     return report
 
