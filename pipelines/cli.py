@@ -225,6 +225,74 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Paired A/B of every variant against fp16 per domain, verdicts, table and plots."""
+    import pandas as pd
+
+    from pipelines import compare
+    from pipelines.io import atomic_write_text, write_json
+    from pipelines.models import VARIANTS_DIR
+    from pipelines.params import load_params
+
+    params = load_params()
+    domains = params.evaluate.domains
+    expected = compare.expected_items(domains, params.evaluate.limit)
+    report = compare.compare_all(list(params.variants), list(params.candidates), domains, expected, params.compare,
+                                 RESULTS, VARIANTS_DIR)
+    write_json(RESULTS / "compare.json", report)
+    atomic_write_text(RESULTS / "compare.csv", pd.DataFrame(compare.flat_rows(report)).to_csv(index=False))
+    compare.plot_all(report, RESULTS / "plots")
+    if report["fp16"]["status"] != "ok":
+        log.warning("compare: baseline fp16 unusable (%s): every verdict is fail", report["fp16"]["error"])
+    for name, v in report["variants"].items():
+        for domain, d in v["domains"].items():
+            paired = d.get("paired")
+            numbers = (f"acc {paired['accuracy']:.3f} vs {paired['accuracy_fp16']:.3f}  diff {paired['difference']:+.3f} "
+                       f"[{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}]  flips -{paired['correct_to_wrong']}/"
+                       f"+{paired['wrong_to_correct']}  McNemar p {paired['mcnemar_p']:.3f}") if paired else ""
+            log.info("compare %-8s %-12s %-12s %s", name, domain, d["verdict"].upper(), numbers)
+            if d["verdict"] != "pass":
+                log.info("    %s", "; ".join(d["reasons"]))
+    log.info("compare: results/compare.json, results/compare.csv, results/plots/{pareto,flips,kl_percentiles}.png")
+    return 0
+
+
+ROUTING_TABLE = RESULTS / "routing_table.json"
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    """Build the routing table from compare.json, or look one request up in it."""
+    from pipelines import route
+    from pipelines.io import read_json, write_json, write_yaml
+    from pipelines.params import load_params
+
+    if args.action == "lookup":
+        from pipelines.classify import classify
+
+        if not ROUTING_TABLE.is_file():
+            raise QuantgateError(f"{ROUTING_TABLE} not found: run `dvc repro` (or `quantgate route`) first")
+        domain = classify(args.text)
+        row = route.lookup(read_json(ROUTING_TABLE), domain, args.context_tokens)
+        print(row["serve"])
+        log.info("route: %s request, %d tokens (bucket <= %d): serve %s, fallback under memory pressure %s (%s)",
+                 domain, args.context_tokens, row["max_context_tokens"], row["serve"],
+                 row["fallback_under_memory_pressure"], row["reason"])
+        return 0
+    from pipelines.models import VARIANTS_DIR
+
+    params = load_params()
+    report = read_json(RESULTS / "compare.json")
+    table = route.build_table(report, params.route.context_buckets, params.compare.policy_for, VARIANTS_DIR,
+                              route.lock_digest())
+    write_json(ROUTING_TABLE, table)
+    write_yaml(ROUTING_TABLE.with_suffix(".yaml"), table)
+    for row in table["rows"]:
+        log.info("route %-12s <= %6d tokens: serve %-8s fallback %-8s (%s)", row["domain"], row["max_context_tokens"],
+                 row["serve"], row["fallback_under_memory_pressure"], row["reason"])
+    log.info("route: %s and %s", ROUTING_TABLE, ROUTING_TABLE.with_suffix(".yaml"))
+    return 0
+
+
 def tracking_uri() -> str:
     """MLFLOW_TRACKING_URI when set, else the SQLite store at the repository root (DVC_ROOT in dvc runs)."""
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
@@ -278,6 +346,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("evaluate", help="stage 5: lm-eval probes per item + fidelity vs fp16 -> results/eval/<variant>.json")
     p.add_argument("variant")
     p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("compare", help="stage 6: paired A/B of every variant vs fp16 per domain -> results/compare.json")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("route", help="stage 7: routing table -> results/routing_table.{json,yaml}; "
+                                     "`route lookup TEXT --context-tokens N` prints the variant serving a request")
+    p.set_defaults(func=cmd_route, action="build")
+    route_sub = p.add_subparsers(dest="action", metavar="[lookup]")
+    lookup = route_sub.add_parser("lookup", help="classify TEXT and print the variant that serves it")
+    lookup.add_argument("text")
+    lookup.add_argument("--context-tokens", type=int, required=True, metavar="N",
+                        help="prompt plus expected output length, in tokens")
 
     p = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 over the local tracking store")
     p.add_argument("--port", type=int, default=5000)

@@ -204,6 +204,66 @@ class EvaluateParams(Section):
     top_k: int = Field(64, gt=0)  # stored base log-probs per token
 
 
+KL_PERCENTILES = ("mean", "median", "p90", "p95", "p99", "p99_9", "max")
+
+
+class PolicyParams(Section):
+    """Gate limits for one domain; a key left out comes from `compare.policy.default`."""
+
+    max_accuracy_drop: float | None = Field(None, ge=0, le=1)  # non-inferiority margin, judged on the CI's low end
+    max_flip_rate: float | None = Field(None, ge=0, le=1)  # (correct->wrong + wrong->correct) / items
+    kl_percentile: Literal["mean", "median", "p90", "p95", "p99", "p99_9", "max"] | None = None
+    max_kl: float | None = Field(None, ge=0)  # nats, at kl_percentile
+    max_growth_excess_pct: float | None = None  # soak growth beyond fp16's, % of fp16's footprint
+    min_memory_saving_pct: float | None = None  # below this saving a passing variant is not worth routing to
+
+
+DEFAULT_POLICY = PolicyParams(max_accuracy_drop=0.05, max_flip_rate=0.15, kl_percentile="p99", max_kl=1.0,
+                              max_growth_excess_pct=1.0, min_memory_saving_pct=10.0)
+
+
+class CompareParams(Section):
+    """Paired A/B of every variant against fp16 and the gate policy that turns it into verdicts."""
+
+    resamples: int = Field(10000, ge=1000)  # paired bootstrap resamples
+    seed: int = 0
+    confidence: float = Field(0.95, gt=0.5, lt=1)
+    power: float = Field(0.8, gt=0.5, lt=1)  # for the detectable difference: below it, 'inconclusive'
+    policy: dict[str, PolicyParams] = Field(default_factory=lambda: {"default": DEFAULT_POLICY})
+
+    @model_validator(mode="after")
+    def _check(self):
+        unknown = set(self.policy) - {"default", *DOMAINS}
+        if unknown:
+            raise ValueError(f"policy for unknown domain {sorted(unknown)[0]!r}: use default or one of {', '.join(DOMAINS)}")
+        default = self.policy.get("default")
+        missing = [k for k, v in DEFAULT_POLICY.model_dump().items() if default is None or getattr(default, k) is None]
+        if missing:
+            raise ValueError(f"policy.default must set every limit; missing {', '.join(missing)}")
+        return self
+
+    def policy_for(self, domain: str) -> PolicyParams:
+        """The default limits overlaid with the domain's own."""
+        override = self.policy.get(domain)
+        merged = self.policy["default"].model_dump()
+        if override is not None:
+            merged.update({k: v for k, v in override.model_dump().items() if v is not None})
+        return PolicyParams(**merged)
+
+
+class RouteParams(Section):
+    """Context-length buckets of the routing table (upper bounds, in tokens)."""
+
+    context_buckets: list[int] = [64, 128, 256]
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.context_buckets or any(b <= 0 for b in self.context_buckets) \
+                or self.context_buckets != sorted(set(self.context_buckets)):
+            raise ValueError("context_buckets must be positive token counts in increasing order")
+        return self
+
+
 class MlflowParams(Section):
     experiment: str = "quantgate"
 
@@ -220,6 +280,8 @@ class Params(Section):
     candidates: dict[str, CandidateParams] = {}
     memory: MemoryParams = MemoryParams()
     evaluate: EvaluateParams = EvaluateParams()
+    compare: CompareParams = CompareParams()
+    route: RouteParams = RouteParams()
     mlflow: MlflowParams = MlflowParams()
 
     @model_validator(mode="after")

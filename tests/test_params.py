@@ -67,3 +67,22 @@ def test_unknown_model_value_is_one_clear_line():
 def test_checkpoint_directory_without_config(tmp_path):
     with pytest.raises(QuantgateError, match=r"has no config.json"):
         resolve_model(str(tmp_path))
+
+
+def test_gate_policy_overrides_and_bad_policy(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("compare:\n  policy:\n    default: {max_accuracy_drop: 0.05, max_flip_rate: 0.1, kl_percentile: p99,"
+                    " max_kl: 1.0, max_growth_excess_pct: 1.0, min_memory_saving_pct: 10.0}\n"
+                    "    math: {max_accuracy_drop: 0.02}\n")
+    policy = load_params(path).compare.policy_for("math")
+    assert (policy.max_accuracy_drop, policy.max_flip_rate) == (0.02, 0.1)
+    path.write_text("compare:\n  policy:\n    default: {max_accuracy_drop: 0.05}\n")
+    with pytest.raises(QuantgateError, match="params.yaml:1: key 'compare': .*policy.default must set every limit; "
+                                             "missing max_flip_rate"):
+        load_params(path)
+    path.write_text("compare:\n  policy:\n    maths: {max_accuracy_drop: 0.05}\n")
+    with pytest.raises(QuantgateError, match="policy for unknown domain 'maths'"):
+        load_params(path)
+    path.write_text("route:\n  context_buckets: [256, 64]\n")
+    with pytest.raises(QuantgateError, match="params.yaml:1: key 'route': .*increasing order"):
+        load_params(path)

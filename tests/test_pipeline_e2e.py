@@ -123,6 +123,36 @@ def test_evaluate_stage_per_variant(pipeline_run):
     assert rejected["status"] == "failed" and "not usable" in rejected["error"]
 
 
+def test_compare_and_route_stages(pipeline_run):
+    from pipelines import route
+
+    repo, first, _ = pipeline_run
+    report = json.loads((repo / "results" / "compare.json").read_text())
+    assert report["expected_items"] == {"math": 20, "code": 20, "chat": 20, "code_comment": 20}
+    assert set(report["variants"]) == {"int8", "awq4", "gptq3", "vendor-gptq"}
+    for name, v in report["variants"].items():
+        assert v["verdict"] in ("pass", "inconclusive", "fail")
+        for domain, d in v["domains"].items():
+            assert d["verdict"] != "pass" or d["paired"]["items"] == 20
+    rejected = report["variants"]["vendor-gptq"]
+    assert rejected["kind"] == "candidate" and rejected["verdict"] == "fail"
+    assert rejected["domains"]["math"]["reasons"][0].startswith("quantize/admit failed")
+    table = json.loads((repo / "results" / "routing_table.json").read_text())
+    assert len(table["rows"]) == 4 * 3  # domains x default context buckets
+    for row in table["rows"]:  # fp16 is never worse than what is routed
+        assert row["cost_bytes"]["serve"] <= row["cost_bytes"]["fp16"]
+        assert row["serve"] == "fp16" or report["variants"][row["serve"]]["domains"][row["domain"]]["verdict"] == "pass"
+    assert table["dvc_lock_sha256"] == route.lock_digest(repo / "dvc.lock")  # DVC wrote the upstream stages first
+    assert (repo / "results" / "routing_table.yaml").is_file()
+    assert all((repo / "results" / "plots" / f"{p}.png").is_file() for p in ("pareto", "flips", "kl_percentiles"))
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    looked_up = subprocess.run(["quantgate", "route", "lookup", "What is 12 + 30?", "--context-tokens", "50"], cwd=repo,
+                               env=env, capture_output=True, text=True)
+    assert looked_up.returncode == 0, looked_up.stderr
+    math_row = next(r for r in table["rows"] if r["domain"] == "math" and r["max_context_tokens"] == 64)
+    assert looked_up.stdout == math_row["serve"] + "\n"
+
+
 def test_second_repro_does_nothing_and_says_so(pipeline_run):
     _, _, second = pipeline_run
     assert second.returncode == 0

@@ -1,0 +1,113 @@
+"""Stage `route`: request type and context length -> the variant that serves it, with the evidence.
+
+Serve: the cheapest variant whose verdict for the domain is `pass` and whose saving against fp16 at the
+bucket's context length reaches the policy's `min_memory_saving_pct`; fp16 when none does.
+Fallback under memory pressure: the cheapest passing variant at all (it may save less than the
+routing threshold); fp16's row falls back to itself only when nothing passed. Cost = measured load
+footprint + measured KV bytes per token x the bucket's upper bound.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import yaml
+
+from pipelines.compare import BASELINE, usable
+from pipelines.errors import QuantgateError
+from pipelines.io import read_json
+
+ROUTED_STAGES = ("compare", "route", "record", "gate")  # stages that read the pipeline's results, not make them
+
+
+def lock_digest(lock_path: Path = Path("dvc.lock"), exclude: tuple[str, ...] = ROUTED_STAGES) -> str | None:
+    """sha256 of dvc.lock's entries for the stages that produced the results (DVC writes each as it ends)."""
+    if not lock_path.is_file():
+        return None
+    lock = yaml.safe_load(lock_path.read_text(encoding="utf-8")) or {}
+    stages = {k: v for k, v in (lock.get("stages") or {}).items() if k.split("@")[0] not in exclude}
+    return hashlib.sha256(json.dumps(stages, sort_keys=True).encode()).hexdigest()
+
+
+def cost_bytes(memory: dict | None, tokens: int) -> float | None:
+    """Memory one request costs: footprint plus KV bytes per token (measured, else theoretical) x tokens."""
+    if not memory or not usable(memory.get("footprint_bytes")):
+        return None
+    per_token = memory.get("fitted_bytes_per_token")
+    if not usable(per_token) or per_token <= 0:
+        per_token = memory.get("theoretical_kv_bytes_per_token")
+    if not usable(per_token):
+        return None
+    return memory["footprint_bytes"] + per_token * tokens
+
+
+def provenance(name: str, variants_dir: Path, compare_row: dict | None) -> dict:
+    """What the routed variant was built from and judged with."""
+    path = variants_dir / name / "quantgate.json"
+    manifest = read_json(path) if path.is_file() else {}
+    files = manifest.get("files", {})
+    weights = {k: v for k, v in files.items() if k.endswith(".safetensors")}
+    tasks = {}
+    if compare_row:
+        tasks = {d: row.get("task_version") for d, row in compare_row["domains"].items()}
+    return {"checkpoint_sha256": weights, "calibration_sha256": (manifest.get("calibration") or {}).get("sha256"),
+            "libraries": manifest.get("libraries"), "task_versions": tasks or None,
+            "method": manifest.get("method"), "device": manifest.get("device")}
+
+
+def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path, digest: str | None) -> dict:
+    """The routing table: one row per domain and context bucket."""
+    base_mem = report["fp16"].get("memory")
+    rows = []
+    for domain in report["domains"]:
+        policy = policy_for(domain)
+        for tokens in buckets:
+            base_cost = cost_bytes(base_mem, tokens)
+            considered = []
+            for name, v in report["variants"].items():
+                d = v["domains"].get(domain, {"verdict": "fail", "reasons": ["not compared"]})
+                cost = cost_bytes(v.get("memory"), tokens)
+                saving = 100 * (1 - cost / base_cost) if cost is not None and base_cost else None
+                considered.append({"variant": name, "verdict": d["verdict"], "cost_bytes": cost, "saving_pct": saving,
+                                   "reasons": d["reasons"]})
+            passing = sorted((c for c in considered if c["verdict"] == "pass" and c["saving_pct"] is not None),
+                             key=lambda c: c["cost_bytes"])
+            worth = [c for c in passing if c["saving_pct"] >= policy.min_memory_saving_pct]
+            serve = worth[0]["variant"] if worth else BASELINE
+            fallback = passing[0]["variant"] if passing else BASELINE
+            chosen = next((c for c in considered if c["variant"] == serve), None)
+            if serve == BASELINE:
+                why = ("no variant passed" if not passing else
+                       f"passing variants save less than {policy.min_memory_saving_pct} % at {tokens} tokens")
+            else:
+                why = f"cheapest passing variant, saves {chosen['saving_pct']:.1f} % against fp16 at {tokens} tokens"
+            evidence = report["variants"][serve]["domains"][domain] if serve != BASELINE else None
+            rows.append({
+                "domain": domain, "max_context_tokens": tokens, "serve": serve, "fallback_under_memory_pressure": fallback,
+                "reason": why, "cost_bytes": {"serve": chosen["cost_bytes"] if chosen else base_cost, "fp16": base_cost},
+                "evidence": None if evidence is None else {
+                    "verdict": evidence["verdict"], "difference": evidence["paired"]["difference"],
+                    "ci_low": evidence["paired"]["ci_low"], "ci_high": evidence["paired"]["ci_high"],
+                    "flip_rate": evidence["paired"]["flip_rate"], "mcnemar_p": evidence["paired"]["mcnemar_p"],
+                    "kl": evidence["checks"]["kl"], "items": evidence["paired"]["items"]},
+                "considered": considered,
+                "provenance": {**provenance(serve, variants_dir, report["variants"].get(serve)), "dvc_lock_sha256": digest},
+            })
+    return {"baseline": BASELINE, "buckets": buckets, "dvc_lock_sha256": digest, "rows": rows}
+
+
+def lookup(table: dict, domain: str, context_tokens: int) -> dict:
+    """The row serving `domain` at `context_tokens`: the smallest bucket that holds it."""
+    if context_tokens < 0:
+        raise QuantgateError(f"--context-tokens must be >= 0, got {context_tokens}")
+    buckets = table["buckets"]
+    bucket = next((b for b in buckets if context_tokens <= b), None)
+    if bucket is None:
+        raise QuantgateError(f"{context_tokens} tokens exceed the largest context bucket ({buckets[-1]}); "
+                             "add a bucket to route.context_buckets in params.yaml")
+    row = next((r for r in table["rows"] if r["domain"] == domain and r["max_context_tokens"] == bucket), None)
+    if row is None:
+        raise QuantgateError(f"the routing table has no row for domain {domain!r} (evaluate.domains leaves it out)")
+    return row

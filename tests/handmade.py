@@ -1,0 +1,78 @@
+"""Hand-made pipeline results whose right verdict is known, written in the layout the stages produce.
+
+A model is described by its per-item correctness per domain; everything else (manifest, lm-eval summary,
+fidelity, memory) is filled in with plausible values that each test can override.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from pipelines.io import write_json, write_jsonl
+
+DOMAINS = ["math", "code"]
+KL = {"mean": 0.01, "stderr": 0.001, "max": 0.4, "p99_9": 0.3, "p99": 0.2, "p95": 0.05, "p90": 0.02,
+      "median": 0.001, "p10": 1e-5, "p5": 1e-6, "p1": 1e-7, "p0_1": 1e-8, "min": 0.0}
+FOOTPRINT = {"fp16": 2_000_000, "int8": 1_500_000, "awq4": 1_300_000, "gptq3": 1_250_000, "vendor": 1_280_000}
+
+
+def correctness(n: int, correct: int, *, lose: int = 0, gain: int = 0) -> list[bool]:
+    """fp16-like answers (first `correct` right), then `lose` right answers made wrong and `gain` wrong made right."""
+    row = [i < correct for i in range(n)]
+    for i in range(lose):
+        row[i] = False
+    for i in range(gain):
+        row[correct + i] = True
+    return row
+
+
+def write_model(root: Path, name: str, answers: dict[str, list[bool]], *, kl: dict | None = None,
+                tokens: int = 400, kind: str = "variant", status: str = "ok", responses_like_fp16: bool = False) -> None:
+    """models/variants/<name>/quantgate.json, results/eval/<name>.json and its items.jsonl."""
+    manifest = {"variant": name, "status": status, "method": "none" if name == "fp16" else "awq",
+                "device": "cpu", "libraries": {"torch": "2.13.0+cpu"},
+                "calibration": {"sha256": "c" * 64, "samples": 512},
+                "files": {"model.safetensors": name[0] * 64, "config.json": "f" * 64}}
+    if kind == "candidate":
+        manifest.pop("calibration")
+    if status != "ok":
+        manifest["error"] = "RuntimeError: quantization blew up"
+    write_json(root / "models/variants" / name / "quantgate.json", manifest)
+    if status != "ok":
+        write_json(root / "results/eval" / f"{name}.json", {"variant": name, "status": "failed", "error": "model failed"})
+        return
+    items, probes, fidelity = [], {}, {}
+    for domain, row in answers.items():
+        for i, correct in enumerate(row):
+            wrong = f"wrong-{i}" if name == "fp16" or responses_like_fp16 else f"wrong-{name}-{i}"
+            response = f"answer-{i}" if correct else wrong
+            items.append({"domain": domain, "task": f"quantgate_{domain}", "item_id": f"{domain}-{i:04d}", "doc_id": i,
+                          "doc_hash": f"d{domain}{i}", "prompt_hash": f"p{domain}{i}", "target": f"answer-{i}",
+                          "response": response, "correct": correct})
+        probes[domain] = {"task": f"quantgate_{domain}", "status": "ok", "task_version": 1.0, "metric": "acc",
+                          "score": sum(row) / len(row) if row else None, "stderr": 0.03, "items": len(row)}
+        fidelity[domain] = {"tokens": tokens, "kl": copy.deepcopy(kl or KL), "same_top1": 0.95, "rms_delta_p": 0.05,
+                            "ppl_ratio": 1.02}
+    write_jsonl(root / "results/eval" / name / "items.jsonl", items)
+    write_json(root / "results/eval" / f"{name}.json",
+               {"variant": name, "device": "cpu", "batch_size": 16, "status": "ok", "probes": probes, "fidelity": fidelity})
+
+
+def memory_row(name: str, *, growth_excess_pct: float = 0.0, leak: bool = False) -> dict:
+    base = FOOTPRINT["fp16"]
+    return {"status": "ok", "device": "cpu", "footprint_bytes": FOOTPRINT[name], "theoretical_weight_bytes": FOOTPRINT[name],
+            "peak_by_tokens": {"64": 100_000, "256": 400_000}, "fitted_bytes_per_token": 512.0,
+            "theoretical_kv_bytes_per_token": 512, "growth_bytes_per_round": 0.0, "projected_growth_bytes": 0.0,
+            "leak": leak, "fragmentation": 0.03, "growth_excess_pct": growth_excess_pct,
+            "footprint_saving_pct": 100 * (1 - FOOTPRINT[name] / base)}
+
+
+def write_memory(root: Path, rows: dict[str, dict]) -> None:
+    write_json(root / "results/memory_summary.json", {"baseline": "fp16", "baseline_ok": "fp16" in rows, "variants": rows})
+
+
+def write_eval_items(root: Path, counts: dict[str, int]) -> None:
+    """eval/<domain>/items.jsonl: only their number matters to compare (the expected item count)."""
+    for domain, n in counts.items():
+        write_jsonl(root / "eval" / domain / "items.jsonl", [{"id": f"{domain}-{i:04d}"} for i in range(n)])

@@ -1,0 +1,116 @@
+"""The routing table from hand-made comparisons, `route lookup`, and the dvc.lock digest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from pipelines import cli, compare, route
+from pipelines.errors import QuantgateError
+from pipelines.params import CompareParams, PolicyParams
+from tests.handmade import FOOTPRINT, correctness, memory_row, write_memory, write_model
+
+N = 400
+BUCKETS = [64, 256]
+
+
+def build(root, variants, params=CompareParams(resamples=2000), digest="d" * 64):
+    report = compare.compare_all(["fp16", *variants], [], ["math", "code"], {"math": N, "code": N}, params,
+                                 root / "results", root / "models/variants")
+    return route.build_table(report, BUCKETS, params.policy_for, root / "models/variants", digest)
+
+
+@pytest.fixture()
+def results(tmp_path):
+    """int8 passes both domains; awq4 (cheaper) passes code only; gptq3 (cheapest) fails both."""
+    write_model(tmp_path, "fp16", {d: correctness(N, 300) for d in ("math", "code")})
+    write_model(tmp_path, "int8", {d: correctness(N, 300, lose=1) for d in ("math", "code")})
+    write_model(tmp_path, "awq4", {"math": correctness(N, 300, lose=50), "code": correctness(N, 300, lose=2)})
+    write_model(tmp_path, "gptq3", {d: correctness(N, 300, lose=90) for d in ("math", "code")})
+    write_memory(tmp_path, {n: memory_row(n) for n in ("fp16", "int8", "awq4", "gptq3")})
+    return tmp_path
+
+
+def row(table, domain, tokens):
+    return next(r for r in table["rows"] if r["domain"] == domain and r["max_context_tokens"] == tokens)
+
+
+def test_cheapest_passing_variant_serves_each_domain(results):
+    table = build(results, ["int8", "awq4", "gptq3"])
+    assert len(table["rows"]) == 4
+    assert row(table, "code", 64)["serve"] == "awq4"
+    assert row(table, "math", 64)["serve"] == "int8"
+    math_row = row(table, "math", 256)
+    assert math_row["cost_bytes"] == {"serve": FOOTPRINT["int8"] + 512 * 256, "fp16": FOOTPRINT["fp16"] + 512 * 256}
+    assert math_row["evidence"]["verdict"] == "pass" and math_row["evidence"]["items"] == N
+    considered = {c["variant"]: c["verdict"] for c in math_row["considered"]}
+    assert considered == {"int8": "pass", "awq4": "fail", "gptq3": "fail"}
+    prov = math_row["provenance"]
+    assert prov["checkpoint_sha256"] == {"model.safetensors": "i" * 64}
+    assert prov["calibration_sha256"] == "c" * 64 and prov["dvc_lock_sha256"] == "d" * 64
+    assert prov["task_versions"] == {"math": 1.0, "code": 1.0} and prov["libraries"] == {"torch": "2.13.0+cpu"}
+    # fp16 is never worse than what is routed: never more memory, never a verdict other than pass
+    for r in table["rows"]:
+        assert r["cost_bytes"]["serve"] <= r["cost_bytes"]["fp16"]
+        assert r["serve"] == "fp16" or r["evidence"]["ci_low"] >= -0.05
+
+
+def test_fp16_serves_when_nothing_passes(results):
+    table = build(results, ["gptq3"])
+    r = row(table, "math", 64)
+    assert (r["serve"], r["fallback_under_memory_pressure"], r["reason"]) == ("fp16", "fp16", "no variant passed")
+    assert r["evidence"] is None and r["provenance"]["checkpoint_sha256"] == {"model.safetensors": "f" * 64}
+
+
+def test_a_saving_below_the_threshold_is_not_worth_routing(results):
+    policy = PolicyParams(max_accuracy_drop=0.05, max_flip_rate=0.15, kl_percentile="p99", max_kl=1.0,
+                          max_growth_excess_pct=1.0, min_memory_saving_pct=30.0)
+    table = build(results, ["int8", "awq4"], CompareParams(resamples=2000, policy={"default": policy}))
+    r = row(table, "math", 64)  # int8 passes but saves 24.6 % < 30 %: fp16 serves, int8 is the fallback
+    assert (r["serve"], r["fallback_under_memory_pressure"]) == ("fp16", "int8")
+    assert r["reason"] == "passing variants save less than 30.0 % at 64 tokens"
+    for tokens, saving in ((64, 1 - 1_332_768 / 2_032_768), (256, 1 - 1_431_072 / 2_131_072)):  # KV shrinks the saving
+        r = row(table, "code", tokens)
+        assert r["serve"] == "awq4"
+        assert next(c for c in r["considered"] if c["variant"] == "awq4")["saving_pct"] == pytest.approx(100 * saving)
+
+
+def test_lookup_picks_the_smallest_bucket_that_holds_the_request(results):
+    table = build(results, ["int8", "awq4"])
+    assert route.lookup(table, "code", 0)["max_context_tokens"] == 64
+    assert route.lookup(table, "code", 64)["max_context_tokens"] == 64
+    assert route.lookup(table, "code", 65)["max_context_tokens"] == 256
+    with pytest.raises(QuantgateError, match="257 tokens exceed the largest context bucket \\(256\\)"):
+        route.lookup(table, "code", 257)
+    with pytest.raises(QuantgateError, match="no row for domain 'chat'"):
+        route.lookup(table, "chat", 10)
+
+
+def test_route_lookup_command_classifies_the_text(results, monkeypatch, capsys):
+    table = build(results, ["int8", "awq4"])
+    (results / "results").mkdir(exist_ok=True)
+    (results / "results/routing_table.json").write_text(json.dumps(table))
+    monkeypatch.chdir(results)
+    assert cli.main(["route", "lookup", "def add(a, b):\n    return a + b\n", "--context-tokens", "100"]) == 0
+    assert capsys.readouterr().out == "awq4\n"
+    assert cli.main(["route", "lookup", "What is 17 × 3 + 4?", "--context-tokens", "10"]) == 0
+    assert capsys.readouterr().out == "int8\n"
+    assert cli.main(["route", "lookup", "What is 17 × 3 + 4?", "--context-tokens", "9999"]) == 2
+    assert "exceed the largest context bucket" in capsys.readouterr().err
+
+
+def test_lock_digest_covers_the_stages_that_made_the_results(tmp_path):
+    lock = {"schema": "2.0", "stages": {"quantize@int8": {"cmd": "quantgate quantize int8", "outs": [{"md5": "a"}]},
+                                        "compare": {"cmd": "quantgate compare", "outs": [{"md5": "b"}]}}}
+    path = tmp_path / "dvc.lock"
+    path.write_text(yaml.safe_dump(lock))
+    first = route.lock_digest(path)
+    lock["stages"]["compare"]["outs"][0]["md5"] = "changed"  # compare/route/record/gate do not count
+    path.write_text(yaml.safe_dump(lock))
+    assert route.lock_digest(path) == first
+    lock["stages"]["quantize@int8"]["outs"][0]["md5"] = "changed"
+    path.write_text(yaml.safe_dump(lock))
+    assert route.lock_digest(path) != first
+    assert route.lock_digest(tmp_path / "missing.lock") is None
