@@ -231,6 +231,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from pipelines import compare
     from pipelines.io import atomic_write_text, write_json
+    from pipelines.lineage import lock_digest
     from pipelines.models import VARIANTS_DIR
     from pipelines.params import load_params
 
@@ -239,6 +240,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     expected = compare.expected_items(domains, params.evaluate.limit)
     report = compare.compare_all(list(params.variants), list(params.candidates), domains, expected, params.compare,
                                  RESULTS, VARIANTS_DIR)
+    report["dvc_lock_sha256"] = lock_digest()  # what `gate` checks the results against
     write_json(RESULTS / "compare.json", report)
     atomic_write_text(RESULTS / "compare.csv", pd.DataFrame(compare.flat_rows(report)).to_csv(index=False))
     compare.plot_all(report, RESULTS / "plots")
@@ -264,6 +266,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     """Build the routing table from compare.json, or look one request up in it."""
     from pipelines import route
     from pipelines.io import read_json, write_json, write_yaml
+    from pipelines.lineage import lock_digest
     from pipelines.params import load_params
 
     if args.action == "lookup":
@@ -283,7 +286,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     params = load_params()
     report = read_json(RESULTS / "compare.json")
     table = route.build_table(report, params.route.context_buckets, params.compare.policy_for, VARIANTS_DIR,
-                              route.lock_digest())
+                              lock_digest())
     write_json(ROUTING_TABLE, table)
     write_yaml(ROUTING_TABLE.with_suffix(".yaml"), table)
     for row in table["rows"]:
@@ -291,6 +294,102 @@ def cmd_route(args: argparse.Namespace) -> int:
                  row["serve"], row["fallback_under_memory_pressure"], row["reason"])
     log.info("route: %s and %s", ROUTING_TABLE, ROUTING_TABLE.with_suffix(".yaml"))
     return 0
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    """Everything into MLflow (parent + child runs, tables, datasets) and passing variants into the registry."""
+    from pipelines import record
+    from pipelines.io import write_json
+    from pipelines.lineage import git_commit, lock_digest
+    from pipelines.params import load_params
+
+    params = load_params()
+    digest = lock_digest()
+    if digest is None:
+        raise QuantgateError("dvc.lock not found: record runs inside `dvc repro`, after the stages it records")
+    uri = tracking_uri()
+    with logs.library_output("mlflow"):
+        summary = record.record_pipeline(params, uri, digest, git_commit(), artifact_root=artifact_root())
+    write_json(RESULTS / "mlflow_run.json", {**summary, "tracking_uri": uri, "dvc_lock_sha256": digest,
+                                              "registered_model": params.registered_model_name()})
+    if summary["status"] == "already recorded":
+        log.info("record: dvc.lock %s already recorded as run %s: nothing written", digest[:12], summary["parent_run_id"])
+    else:
+        log.info("record: parent run %s with %d child runs in experiment %r (%s)", summary["parent_run_id"],
+                 len(summary["children"]), params.mlflow.experiment, uri)
+        for row in summary["registered"]:
+            log.info("record: registered %s as %s version %s", row["variant"], params.registered_model_name(), row["version"])
+        if summary["registered"]:
+            log.info("record: alias 'candidate' -> version %s (%s)", summary["registered"][-1]["version"],
+                     summary["registered"][-1]["variant"])
+        else:
+            log.info("record: no variant passed every domain: nothing registered")
+    log.info("record: `quantgate ui` opens the MLflow UI")
+    return 0
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    """The release verdict: exit 0 pass, 1 fail, 2 could not decide (any exception included)."""
+    from pipelines import gate
+    from pipelines.io import atomic_write_text, read_json, write_json
+
+    result = {"verdict": "undecided", "gated": args.variant or [], "dvc_lock_sha256": None, "reasons": []}
+    report = table = None
+    try:
+        from pipelines import compare
+        from pipelines.lineage import git_commit, lock_digest
+        from pipelines.params import load_params
+
+        params = load_params()
+        digest = lock_digest()
+        compare_path, table_path = RESULTS / "compare.json", ROUTING_TABLE
+        report = read_json(compare_path) if compare_path.is_file() else None
+        table = read_json(table_path) if table_path.is_file() else None
+        unknown = [n for n in args.variant or [] if n not in params.variants and n not in params.candidates]
+        if unknown:
+            raise QuantgateError(f"--variant {unknown[0]!r} is neither a variant nor a candidate in params.yaml")
+        expected = compare.expected_items(params.evaluate.domains, params.evaluate.limit)
+        result = gate.decide(report, params, expected, digest, args.variant or None)
+        result["git"] = git_commit()
+        run_file = RESULTS / "mlflow_run.json"
+        if run_file.is_file():
+            run = read_json(run_file)
+            if run.get("dvc_lock_sha256") == digest:
+                result.update(mlflow_run_id=run.get("parent_run_id"), experiment=params.mlflow.experiment)
+        if args.promote:
+            if result["verdict"] == "pass":
+                result["promotion"] = gate.promote(tracking_uri(), params.registered_model_name(), result, params, digest)
+                if result["promotion"]["status"] == "refused":
+                    result["verdict"] = "fail"
+                    result["reasons"].append(f"promotion refused: {result['promotion']['detail']}")
+            else:
+                result["promotion"] = {"status": "refused", "detail": f"the gate did not pass ({result['verdict']})"}
+    except Exception as err:  # noqa: BLE001 - fail closed: any error is "could not decide", exit 2
+        logging.getLogger("pipelines").debug("gate error", exc_info=True)
+        result["verdict"] = "undecided"
+        result["reasons"].append(f"the gate could not finish: {type(err).__name__}: {err}")
+    result["exit_code"] = gate.EXIT[result["verdict"]]
+    try:
+        write_json(RESULTS / "gate.json", result)
+        atomic_write_text(RESULTS / "report.md", gate.render_report(result, report, table))
+    except Exception as err:  # noqa: BLE001
+        print(f"quantgate gate: could not write results/gate.json: {err}", file=sys.stderr)
+        return 2
+    print(f"quantgate gate: {result['verdict'].upper()} (exit {result['exit_code']}) for "
+          f"{', '.join(result['gated']) or 'nothing'}")
+    for reason in result["reasons"][:12]:
+        print(f"  - {reason}")
+    if len(result["reasons"]) > 12:
+        print(f"  ... {len(result['reasons']) - 12} more in results/gate.json")
+    if result.get("promotion"):
+        print(f"  promotion: {result['promotion']['status']}: {result['promotion']['detail']}")
+    print("  results/gate.json, results/report.md")
+    return result["exit_code"]
+
+
+def artifact_root() -> Path:
+    """Artifacts of the default SQLite store live beside it (DVC_ROOT in dvc runs), not in the cwd."""
+    return Path(os.environ.get("DVC_ROOT", ".")).resolve() / "mlartifacts"
 
 
 def tracking_uri() -> str:
@@ -358,6 +457,18 @@ def build_parser() -> argparse.ArgumentParser:
     lookup.add_argument("text")
     lookup.add_argument("--context-tokens", type=int, required=True, metavar="N",
                         help="prompt plus expected output length, in tokens")
+
+    p = sub.add_parser("record", help="stage 8: parent + child runs in MLflow, passing variants into the registry")
+    p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("gate", help="release verdict: exit 0 pass, 1 fail, 2 could not decide; "
+                                    "writes results/gate.json and results/report.md")
+    p.add_argument("--variant", action="append", metavar="NAME",
+                   help="gate only this variant or candidate (repeatable); default: all of them")
+    p.add_argument("--promote", action="store_true",
+                   help="when the gate passes, move the registry alias 'production' to 'candidate' "
+                        "unless it regresses against the current production version")
+    p.set_defaults(func=cmd_gate)
 
     p = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 over the local tracking store")
     p.add_argument("--port", type=int, default=5000)

@@ -47,6 +47,9 @@ def setup(log_file: Path = LOG_FILE, verbose: bool = False) -> None:
     file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     file_handler.setLevel(logging.DEBUG)
     root = logging.getLogger()
+    for old in root.handlers:  # a second setup in one process (tests) must not leak the first file handle
+        if isinstance(old, logging.FileHandler):
+            old.close()
     root.handlers[:] = [file_handler]
     root.setLevel(logging.INFO)
 

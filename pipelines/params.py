@@ -265,7 +265,10 @@ class RouteParams(Section):
 
 
 class MlflowParams(Section):
+    """Where `record` writes: the experiment, and the registered model that passing variants join."""
+
     experiment: str = "quantgate"
+    registered_model: str | None = None  # None: quantgate-<model>, e.g. quantgate-reference
 
 
 class Params(Section):
@@ -296,6 +299,10 @@ class Params(Section):
         if clash:
             raise ValueError(f"{sorted(clash)[0]!r} is both a variant and a candidate; names must be unique")
         return self
+
+    def registered_model_name(self) -> str:
+        """The registry name for this base model's quantized versions (one per model, never mixed)."""
+        return self.mlflow.registered_model or "quantgate-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", self.model).strip("-")
 
     def model_under_test(self, name: str) -> VariantParams | CandidateParams:
         if name in self.variants:

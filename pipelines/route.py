@@ -9,27 +9,11 @@ footprint + measured KV bytes per token x the bucket's upper bound.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
-
-import yaml
 
 from pipelines.compare import BASELINE, usable
 from pipelines.errors import QuantgateError
 from pipelines.io import read_json
-
-ROUTED_STAGES = ("compare", "route", "record", "gate")  # stages that read the pipeline's results, not make them
-
-
-def lock_digest(lock_path: Path = Path("dvc.lock"), exclude: tuple[str, ...] = ROUTED_STAGES) -> str | None:
-    """sha256 of dvc.lock's entries for the stages that produced the results (DVC writes each as it ends)."""
-    if not lock_path.is_file():
-        return None
-    lock = yaml.safe_load(lock_path.read_text(encoding="utf-8")) or {}
-    stages = {k: v for k, v in (lock.get("stages") or {}).items() if k.split("@")[0] not in exclude}
-    return hashlib.sha256(json.dumps(stages, sort_keys=True).encode()).hexdigest()
-
 
 def cost_bytes(memory: dict | None, tokens: int) -> float | None:
     """Memory one request costs: footprint plus KV bytes per token (measured, else theoretical) x tokens."""

@@ -76,3 +76,52 @@ def write_eval_items(root: Path, counts: dict[str, int]) -> None:
     """eval/<domain>/items.jsonl: only their number matters to compare (the expected item count)."""
     for domain, n in counts.items():
         write_jsonl(root / "eval" / domain / "items.jsonl", [{"id": f"{domain}-{i:04d}"} for i in range(n)])
+
+
+PARAMS_YAML = """\
+variants:
+  fp16: {method: none, dtype: float16}
+  int8: {method: bnb-int8, dtype: float16}
+  awq4: {method: awq, bits: 4, group_size: 64, dtype: float16}
+evaluate:
+  domains: [math, code]
+calibration:
+  weights: {chat: 1.0, code: 1.0, code_comment: 1.0, math: 1.0}
+mlflow:
+  experiment: handmade
+route:
+  context_buckets: [64, 256]
+"""
+
+
+def write_pipeline(root: Path, answers: dict[str, dict[str, list[bool]]], *, lock_text: str = "stages: {a: 1}\n") -> dict:
+    """A whole finished pipeline (params.yaml, dvc.lock, calibration sets, results, compare + route) in `root`.
+
+    `answers`: model name -> domain -> per-item correctness; fp16 must be among them.
+    """
+    from pipelines import compare, lineage, route
+    from pipelines.params import load_params
+
+    (root / "params.yaml").write_text(PARAMS_YAML)
+    (root / "dvc.lock").write_text(lock_text)
+    params = load_params(root / "params.yaml")
+    for name, per_domain in answers.items():
+        write_model(root, name, per_domain)
+    write_memory(root, {n: memory_row(n) for n in answers})
+    n = len(next(iter(answers.values()))["math"])
+    write_eval_items(root, {d: n for d in params.evaluate.domains})
+    for domain in ("chat", "code", "code_comment", "math"):
+        write_jsonl(root / "calibration_sets/built" / f"{domain}.jsonl", [{"id": f"{domain}-{i}", "text": f"{domain} {i}"}
+                                                                       for i in range(4)])
+    write_jsonl(root / "calibration_sets/built/mixed.jsonl", [{"id": f"m-{i}", "text": f"text {i}"} for i in range(16)])
+    expected = compare.expected_items(params.evaluate.domains, None, root / "eval")
+    report = compare.compare_all(list(params.variants), [], params.evaluate.domains, expected, params.compare,
+                                 root / "results", root / "models/variants")
+    digest = lineage.lock_digest(root / "dvc.lock")
+    report["dvc_lock_sha256"] = digest
+    write_json(root / "results/compare.json", report)
+    (root / "results/compare.csv").write_text("variant\n")
+    table = route.build_table(report, params.route.context_buckets, params.compare.policy_for, root / "models/variants",
+                              digest)
+    write_json(root / "results/routing_table.json", table)
+    return {"params": params, "digest": digest, "report": report, "table": table}

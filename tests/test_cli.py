@@ -18,7 +18,7 @@ def test_help_lists_the_stages(tmp_path):
     out = run(["--help"], tmp_path)
     assert out.returncode == 0
     for stage in ("reference", "calibrate", "quantize", "admit", "memory", "memory-report", "fidelity-base", "evaluate",
-                  "compare", "route", "ui"):
+                  "compare", "route", "record", "gate", "ui"):
         assert stage in out.stdout
 
 

@@ -124,7 +124,7 @@ def test_evaluate_stage_per_variant(pipeline_run):
 
 
 def test_compare_and_route_stages(pipeline_run):
-    from pipelines import route
+    from pipelines import lineage
 
     repo, first, _ = pipeline_run
     report = json.loads((repo / "results" / "compare.json").read_text())
@@ -142,7 +142,7 @@ def test_compare_and_route_stages(pipeline_run):
     for row in table["rows"]:  # fp16 is never worse than what is routed
         assert row["cost_bytes"]["serve"] <= row["cost_bytes"]["fp16"]
         assert row["serve"] == "fp16" or report["variants"][row["serve"]]["domains"][row["domain"]]["verdict"] == "pass"
-    assert table["dvc_lock_sha256"] == route.lock_digest(repo / "dvc.lock")  # DVC wrote the upstream stages first
+    assert table["dvc_lock_sha256"] == lineage.lock_digest(repo / "dvc.lock")  # DVC wrote the upstream stages first
     assert (repo / "results" / "routing_table.yaml").is_file()
     assert all((repo / "results" / "plots" / f"{p}.png").is_file() for p in ("pareto", "flips", "kl_percentiles"))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -151,6 +151,27 @@ def test_compare_and_route_stages(pipeline_run):
     assert looked_up.returncode == 0, looked_up.stderr
     math_row = next(r for r in table["rows"] if r["domain"] == "math" and r["max_context_tokens"] == 64)
     assert looked_up.stdout == math_row["serve"] + "\n"
+
+
+def test_record_stage_and_gate(pipeline_run):
+    from mlflow import MlflowClient
+
+    repo, _, _ = pipeline_run
+    run = json.loads((repo / "results" / "mlflow_run.json").read_text())
+    assert run["status"] == "recorded" and run["tracking_uri"] == f"sqlite:///{repo / 'mlflow.db'}"
+    client = MlflowClient(run["tracking_uri"])
+    runs = client.search_runs([run["experiment_id"]])
+    children = {r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == run["parent_run_id"]}
+    assert children == {"fp16", "int8", "awq4", "gptq3", "vendor-gptq"} and len(runs) == 6
+    assert (repo / "mlartifacts").is_dir() and not (repo / "mlruns").exists()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    gated = subprocess.run(["quantgate", "gate"], cwd=repo, env=env, capture_output=True, text=True)
+    assert gated.returncode == 1, gated.stdout + gated.stderr  # the rejected vendor-gptq candidate fails the release
+    result = json.loads((repo / "results" / "gate.json").read_text())
+    assert result["verdict"] == "fail" and result["mlflow_run_id"] == run["parent_run_id"]
+    assert any(r.startswith("vendor-gptq math: quantize/admit failed") for r in result["reasons"])
+    assert (repo / "results" / "report.md").read_text().startswith("## quantgate release gate: FAIL")
 
 
 def test_second_repro_does_nothing_and_says_so(pipeline_run):

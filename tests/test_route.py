@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from pipelines import cli, compare, route
+from pipelines import cli, compare, lineage, route
 from pipelines.errors import QuantgateError
 from pipelines.params import CompareParams, PolicyParams
 from tests.handmade import FOOTPRINT, correctness, memory_row, write_memory, write_model
@@ -106,11 +106,11 @@ def test_lock_digest_covers_the_stages_that_made_the_results(tmp_path):
                                         "compare": {"cmd": "quantgate compare", "outs": [{"md5": "b"}]}}}
     path = tmp_path / "dvc.lock"
     path.write_text(yaml.safe_dump(lock))
-    first = route.lock_digest(path)
+    first = lineage.lock_digest(path)
     lock["stages"]["compare"]["outs"][0]["md5"] = "changed"  # compare/route/record/gate do not count
     path.write_text(yaml.safe_dump(lock))
-    assert route.lock_digest(path) == first
+    assert lineage.lock_digest(path) == first
     lock["stages"]["quantize@int8"]["outs"][0]["md5"] = "changed"
     path.write_text(yaml.safe_dump(lock))
-    assert route.lock_digest(path) != first
-    assert route.lock_digest(tmp_path / "missing.lock") is None
+    assert lineage.lock_digest(path) != first
+    assert lineage.lock_digest(tmp_path / "missing.lock") is None

@@ -1,0 +1,207 @@
+"""`quantgate gate`: the release verdict CI gates on, failing closed.
+
+Exit 0: every gated variant passed every domain. Exit 1: something failed (a verdict, a missing or
+non-numeric required metric, a wrong item count, a missing baseline, a refused promotion). Exit 2: it
+could not decide (no or stale results, an `inconclusive` verdict, any exception inside the gate).
+The gate re-checks what compare.json claims instead of trusting its verdict field alone
+(../shared/notes/references.md: required metrics come from the policy, not from the results).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pipelines import stats
+from pipelines.compare import BASELINE, usable
+from pipelines.params import Params
+
+EXIT = {"pass": 0, "fail": 1, "undecided": 2}
+
+
+def _required(row: dict, policy: dict) -> dict:
+    """The numbers the policy needs, as compare.json holds them."""
+    paired = row.get("paired") or {}
+    kl = ((row.get("fidelity") or {}).get("kl") or {}).get(policy["kl_percentile"])
+    growth = ((row.get("checks") or {}).get("growth_excess_pct") or {}).get("value")
+    return {"accuracy": paired.get("accuracy"), "accuracy_fp16": paired.get("accuracy_fp16"),
+            "difference": paired.get("difference"), "ci_low": paired.get("ci_low"), "flip_rate": paired.get("flip_rate"),
+            f"kl_{policy['kl_percentile']}": kl, "growth_excess_pct": growth}
+
+
+def check_row(name: str, domain: str, row: dict | None, params: Params, expected: int) -> tuple[str, list[str]]:
+    """One variant and domain: `pass`, `fail` or `undecided`, and why."""
+    if row is None:
+        return "fail", [f"{name} {domain}: no comparison"]
+    policy = params.compare.policy_for(domain).model_dump()
+    if row.get("policy") != policy:
+        return "undecided", [f"{name} {domain}: compared under another policy than params.yaml's: run dvc repro"]
+    if row.get("verdict") == "fail" or not row.get("paired"):
+        return "fail", [f"{name} {domain}: {r}" for r in row.get("reasons") or ["failed"]]
+    reasons = [f"{name} {domain}: {key} is missing or not a number ({value!r})"
+               for key, value in _required(row, policy).items() if not usable(value)]
+    items = row["paired"].get("items")
+    if items != expected:
+        reasons.append(f"{name} {domain}: scored over {items} items, expected {expected}")
+    if not reasons and row["paired"]["accuracy"] == 0 and row["paired"]["accuracy_fp16"] == 0:
+        reasons.append(f"{name} {domain}: all-zero results for the variant and fp16")
+    if reasons:
+        return "fail", reasons
+    if row.get("verdict") == "inconclusive":
+        return "undecided", [f"{name} {domain}: inconclusive: {'; '.join(row.get('reasons') or [])}"]
+    if row.get("verdict") != "pass":
+        return "fail", [f"{name} {domain}: unknown verdict {row.get('verdict')!r}"]
+    return "pass", []
+
+
+def decide(report: dict | None, params: Params, expected: dict[str, int], digest: str | None,
+           gated: list[str] | None = None) -> dict:
+    """The release verdict over the gated variants (default: every variant and candidate)."""
+    names = gated or [*[n for n in params.variants if n != BASELINE], *params.candidates]
+    result = {"verdict": "undecided", "gated": names, "dvc_lock_sha256": digest, "reasons": [], "variants": {}}
+    if report is None:
+        result["reasons"].append("no comparison results (results/compare.json): run dvc repro")
+        return result
+    if digest is None or report.get("dvc_lock_sha256") != digest:
+        result["reasons"].append("results/compare.json was not made from the current dvc.lock: run dvc repro")
+        return result
+    if (report.get("fp16") or {}).get("status") != "ok":
+        result["verdict"] = "fail"
+        result["reasons"].append(f"baseline fp16 missing or failed: {(report.get('fp16') or {}).get('error')}")
+        return result
+    outcomes = []
+    for name in names:
+        row = (report.get("variants") or {}).get(name)
+        per_domain = {}
+        for domain in params.evaluate.domains:
+            verdict, why = check_row(name, domain, ((row or {}).get("domains") or {}).get(domain), params,
+                                     expected[domain])
+            per_domain[domain] = verdict
+            outcomes.append(verdict)
+            result["reasons"].extend(why)
+        result["variants"][name] = {"verdict": _worst(per_domain.values()), "domains": per_domain}
+    result["verdict"] = _worst(outcomes) if outcomes else "undecided"
+    if not outcomes:
+        result["reasons"].append("nothing to gate: no variants or candidates")
+    return result
+
+
+def _worst(verdicts) -> str:
+    verdicts = list(verdicts)
+    return "fail" if "fail" in verdicts else "undecided" if "undecided" in verdicts or not verdicts else "pass"
+
+
+def regression_against(candidate_items: list[dict], production_items: list[dict], params: Params) -> list[str]:
+    """Why the candidate regresses against the production version on some domain (empty: it does not).
+
+    Paired on item ids like compare; a domain whose items do not pair, or whose interval reaches below
+    the domain's margin, refuses the promotion.
+    """
+    reasons = []
+    for domain in params.evaluate.domains:
+        cand = {r["item_id"]: r["correct"] for r in candidate_items if r.get("domain") == domain}
+        prod = {r["item_id"]: r["correct"] for r in production_items if r.get("domain") == domain}
+        if not cand or set(cand) != set(prod):
+            reasons.append(f"{domain}: the candidate's items do not pair with production's "
+                           f"({len(cand)} vs {len(prod)} items, {len(set(cand) ^ set(prod))} unpaired)")
+            continue
+        ids = sorted(cand)
+        p = params.compare
+        row = stats.paired_comparison(np.array([prod[i] for i in ids]), np.array([cand[i] for i in ids]),
+                                      resamples=p.resamples, seed=p.seed, confidence=p.confidence, power=p.power)
+        margin = p.policy_for(domain).max_accuracy_drop
+        if not math.isfinite(row["ci_low"]) or row["ci_low"] < -margin:
+            reasons.append(f"{domain}: accuracy {row['accuracy']:.3f} vs production {row['accuracy_fp16']:.3f}, "
+                           f"difference interval [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}] reaches below -{margin}")
+    return reasons
+
+
+def _fmt(value, spec: str) -> str:
+    """A number for the report; anything else shown as what it is, so a bad value is visible, not fatal."""
+    if not usable(value):
+        return f"`{value!r}`"
+    return format(int(value) if spec == "d" else value, spec)
+
+
+def render_report(result: dict, report: dict | None, table: dict | None) -> str:
+    """results/report.md: the verdict, the per-domain evidence and the routing table, for a pull request."""
+    head = {"pass": "PASS", "fail": "FAIL", "undecided": "UNDECIDED (counts as a failure)"}[result["verdict"]]
+    lines = [f"## quantgate release gate: {head}", ""]
+    lines.append(f"Gated: {', '.join(result['gated']) or 'nothing'}. dvc.lock digest `{(result['dvc_lock_sha256'] or 'none')[:12]}`"
+                 + (f", commit `{result['git']['commit'][:10]}`" if (result.get("git") or {}).get("commit") else "") + ".")
+    if result.get("mlflow_run_id"):
+        lines.append(f"MLflow parent run `{result['mlflow_run_id']}` (experiment `{result.get('experiment')}`).")
+    lines.append("")
+    if report and report.get("variants"):
+        lines += ["| variant | domain | verdict | accuracy (fp16) | difference [95% CI] | flips −/+ | McNemar p | KL p99 | growth excess |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name in result["gated"]:
+            for domain, d in (((report["variants"].get(name) or {}).get("domains")) or {}).items():
+                p, fid = d.get("paired"), d.get("fidelity") or {}
+                if not p:
+                    lines.append(f"| {name} | {domain} | **{d['verdict']}** | – | – | – | – | – | – |")
+                    continue
+                growth = ((d.get("checks") or {}).get("growth_excess_pct") or {}).get("value")
+                lines.append(f"| {name} | {domain} | **{d['verdict']}** | {_fmt(p.get('accuracy'), '.3f')} "
+                             f"({_fmt(p.get('accuracy_fp16'), '.3f')}) | {_fmt(p.get('difference'), '+.3f')} "
+                             f"[{_fmt(p.get('ci_low'), '+.3f')}, {_fmt(p.get('ci_high'), '+.3f')}] | "
+                             f"{_fmt(p.get('correct_to_wrong'), 'd')}/{_fmt(p.get('wrong_to_correct'), 'd')} | "
+                             f"{_fmt(p.get('mcnemar_p'), '.3g')} | {_fmt((fid.get('kl') or {}).get('p99'), '.3g')} | "
+                             f"{_fmt(growth, '+.2f')} % |")
+        lines.append("")
+    if result["reasons"]:
+        lines += ["### Why", ""] + [f"- {r}" for r in result["reasons"]] + [""]
+    if result.get("promotion"):
+        promo = result["promotion"]
+        lines += ["### Promotion", "", f"- {promo['status']}: {promo['detail']}", ""]
+    if table:
+        lines += ["### Routing table", "", "| domain | ≤ tokens | serve | fallback under memory pressure |", "|---|---|---|---|"]
+        lines += [f"| {r['domain']} | {r['max_context_tokens']} | {r['serve']} | {r['fallback_under_memory_pressure']} |"
+                  for r in table["rows"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def promote(tracking_uri: str, model_name: str, result: dict, params: Params, digest: str) -> dict:
+    """Move `production` to the `candidate` version when it was gated here and regresses against nothing."""
+    import mlflow
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    from pipelines.io import read_jsonl
+    from pipelines.record import CANDIDATE_ALIAS, DIGEST_TAG, PRODUCTION_ALIAS
+
+    client = MlflowClient(tracking_uri)
+    mlflow.set_tracking_uri(tracking_uri)
+
+    def by_alias(alias):
+        try:
+            return client.get_model_version_by_alias(model_name, alias)
+        except MlflowException:
+            return None
+
+    def items_of(version) -> list[dict]:
+        return read_jsonl(mlflow.artifacts.download_artifacts(run_id=version.run_id, artifact_path="eval/items.jsonl"))
+
+    candidate = by_alias(CANDIDATE_ALIAS)
+    if candidate is None:
+        return {"status": "refused", "detail": f"no version of {model_name!r} carries the alias {CANDIDATE_ALIAS!r}: run dvc repro"}
+    variant = candidate.tags.get("variant")
+    label = f"{model_name} version {candidate.version} ({variant})"
+    if candidate.tags.get(DIGEST_TAG) != digest:
+        return {"status": "refused", "detail": f"{label} was registered from other results than the current dvc.lock"}
+    if variant not in result["gated"]:
+        return {"status": "refused", "detail": f"{label} was not among the gated variants ({', '.join(result['gated'])})"}
+    production = by_alias(PRODUCTION_ALIAS)
+    if production is not None and production.version == candidate.version:
+        return {"status": "unchanged", "detail": f"{label} is already {PRODUCTION_ALIAS}", "version": str(candidate.version)}
+    if production is not None:
+        reasons = regression_against(items_of(candidate), items_of(production), params)
+        if reasons:
+            return {"status": "refused", "version": str(candidate.version),
+                    "detail": f"{label} regresses against {PRODUCTION_ALIAS} version {production.version} "
+                              f"({production.tags.get('variant')}): " + "; ".join(reasons)}
+    client.set_registered_model_alias(model_name, PRODUCTION_ALIAS, candidate.version)
+    before = f"replaces version {production.version}" if production is not None else "first production version"
+    return {"status": "promoted", "version": str(candidate.version), "detail": f"{label} is now {PRODUCTION_ALIAS} ({before})"}
