@@ -165,15 +165,18 @@ def render_report(result: dict, report: dict | None, table: dict | None) -> str:
 
 def promote(tracking_uri: str, model_name: str, result: dict, params: Params, digest: str) -> dict:
     """Move `production` to the `candidate` version when it was gated here and regresses against nothing."""
+    from pipelines.record import using_store
+
+    with using_store(tracking_uri) as client:
+        return _promote(client, model_name, result, params, digest)
+
+
+def _promote(client, model_name: str, result: dict, params: Params, digest: str) -> dict:
     import mlflow
-    from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
     from pipelines.io import read_jsonl
     from pipelines.record import CANDIDATE_ALIAS, DIGEST_TAG, PRODUCTION_ALIAS
-
-    client = MlflowClient(tracking_uri)
-    mlflow.set_tracking_uri(tracking_uri)
 
     def by_alias(alias):
         try:

@@ -9,9 +9,12 @@ stages from its run-cache without running them, so idempotence is by content, no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlflow
@@ -28,6 +31,21 @@ KIND_TAG = "quantgate.kind"
 DIGEST_TAG = "quantgate.dvc_lock_sha256"
 CANDIDATE_ALIAS = "candidate"
 PRODUCTION_ALIAS = "production"
+
+
+@contextlib.contextmanager
+def using_store(uri: str) -> Iterator[MlflowClient]:
+    """MLflow's fluent API pointed at `uri` for the block only.
+
+    mlflow.set_tracking_uri also exports MLFLOW_TRACKING_URI to every later subprocess (a `dvc repro`
+    started by the same process would record into this store): put back what was there before.
+    """
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield MlflowClient(uri)
+    finally:
+        mlflow.set_tracking_uri(before)  # None unsets the variable again
 
 
 def experiment_id(client: MlflowClient, name: str, artifact_root: Path) -> str:
@@ -126,11 +144,15 @@ def _log_files(files: list[Path], artifact_path: str | None = None) -> None:
 def record_pipeline(params: Params, tracking_uri: str, digest: str, commit: dict, root: Path = Path("."),
                     artifact_root: Path | None = None) -> dict:
     """Record compare/route/memory/eval results under one parent run; register passing variants."""
+    with using_store(tracking_uri) as client:
+        return _record(client, params, digest, commit, root, artifact_root)
+
+
+def _record(client: MlflowClient, params: Params, digest: str, commit: dict, root: Path,
+            artifact_root: Path | None) -> dict:
     results = root / "results"
     report = read_json(results / "compare.json")
     table = read_json(results / "routing_table.json")
-    mlflow.set_tracking_uri(tracking_uri)
-    client = MlflowClient(tracking_uri)
     exp_id = experiment_id(client, params.mlflow.experiment, artifact_root or root / "mlartifacts")
     recorded = find_recorded(client, exp_id, digest)
     finished = [r for r in recorded if r.info.status == "FINISHED"]
@@ -188,6 +210,7 @@ def _record_child(name: str, report: dict, params: Params, root: Path, digest: s
         mlflow.log_metrics(child_metrics(name, report, evaluation, manifest, memory))
         _log_files([manifest_path, eval_path, root / "results/memory" / f"{name}.json"], "results")
         _log_files([root / "results/eval" / name / "items.jsonl"], "eval")
+        _log_files(sorted((root / "results/plots").glob("*.png")), "plots")  # where this variant stands among the rest
         if (manifest or {}).get("calibration"):
             _dataset_inputs([("calibration-mixed", root / "calibration_sets/built/mixed.jsonl")], "calibration")
         return child.info.run_id

@@ -33,6 +33,7 @@ def repo_copy(dest: Path) -> Path:
 
 def dvc(args, cwd):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLFLOW_TRACKING_URI", None)  # the copy records into its own store
     return subprocess.run([str(Path(sys.executable).parent / "dvc"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=1800)
 

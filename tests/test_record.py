@@ -60,15 +60,16 @@ def test_parent_and_child_runs_with_metrics_params_and_tags(recorded):
     artifacts = {a.path for a in client.list_artifacts(int8.info.run_id, "results")}
     assert artifacts == {"results/int8.json", "results/quantgate.json"}
     assert [a.path for a in client.list_artifacts(int8.info.run_id, "eval")] == ["eval/items.jsonl"]
+    assert [a.path for a in client.list_artifacts(int8.info.run_id, "plots")] == ["plots/pareto.png"]
 
 
 def test_tables_and_dataset_inputs(recorded):
     root, built, uri, summary = recorded
-    client = MlflowClient(uri)
-    compare_table = client.load_table(summary["experiment_id"], "tables/compare.json", run_ids=[summary["parent_run_id"]])
+    with record.using_store(uri) as client:  # load_table downloads through the process-wide tracking URI
+        compare_table = client.load_table(summary["experiment_id"], "tables/compare.json", run_ids=[summary["parent_run_id"]])
+        routing = client.load_table(summary["experiment_id"], "tables/routing_table.json", run_ids=[summary["parent_run_id"]])
     assert len(compare_table) == 4  # 2 variants x 2 domains
     assert set(compare_table[compare_table.variant == "awq4"].verdict) == {"fail", "pass"}
-    routing = client.load_table(summary["experiment_id"], "tables/routing_table.json", run_ids=[summary["parent_run_id"]])
     assert len(routing) == 4  # 2 domains x 2 buckets; awq4 fails math but is the cheapest that passes code
     assert dict(zip(routing.domain, routing.serve)) == {"math": "int8", "code": "awq4"}
     from pipelines.io import sha256_file
@@ -115,3 +116,9 @@ def test_a_half_written_recording_is_replaced(tmp_path):
     assert summary["status"] == "recorded"
     parents = record.find_recorded(client, exp_id, built["digest"])
     assert [p.info.run_id for p in parents] == [summary["parent_run_id"]]
+
+
+def test_recording_leaves_the_process_tracking_uri_as_it_was(recorded, monkeypatch):
+    import os
+
+    assert "MLFLOW_TRACKING_URI" not in os.environ  # a later `dvc repro` subprocess must not inherit the test store

@@ -114,3 +114,11 @@ def test_lock_digest_covers_the_stages_that_made_the_results(tmp_path):
     path.write_text(yaml.safe_dump(lock))
     assert lineage.lock_digest(path) != first
     assert lineage.lock_digest(tmp_path / "missing.lock") is None
+
+
+def test_without_a_baseline_every_row_stays_on_fp16(tmp_path):
+    write_model(tmp_path, "int8", {d: correctness(N, 300) for d in ("math", "code")})
+    write_memory(tmp_path, {"int8": memory_row("int8")})
+    table = build(tmp_path, ["int8"])
+    assert {(r["serve"], r["fallback_under_memory_pressure"], r["reason"]) for r in table["rows"]} == {
+        ("fp16", "fp16", "no variant passed")}
