@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import warnings
 from collections.abc import Iterator
@@ -24,8 +23,6 @@ from mlflow import MlflowClient
 from pipelines.compare import BASELINE, flat_rows, usable
 from pipelines.io import read_json, read_jsonl
 from pipelines.params import Params
-
-log = logging.getLogger(__name__)
 
 KIND_TAG = "quantgate.kind"
 DIGEST_TAG = "quantgate.dvc_lock_sha256"

@@ -15,6 +15,7 @@ from pipelines.compare import BASELINE, usable
 from pipelines.errors import QuantgateError
 from pipelines.io import read_json
 
+
 def cost_bytes(memory: dict | None, tokens: int) -> float | None:
     """Memory one request costs: footprint plus KV bytes per token (measured, else theoretical) x tokens."""
     if not memory or not usable(memory.get("footprint_bytes")):
