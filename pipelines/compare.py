@@ -73,24 +73,26 @@ def _upstream_failure(inputs: dict | None) -> str | None:
     return None
 
 
-def _by_id(items: list[dict], domain: str) -> dict[str, dict]:
+def by_id(items: list[dict], domain: str) -> dict[str, dict]:
+    """One domain's per-item records keyed by their stable item id."""
     return {row["item_id"]: row for row in items if row.get("domain") == domain}
 
 
-def pair_items(base: dict[str, dict], variant: dict[str, dict], expected: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+def pair_items(base: dict[str, dict], variant: dict[str, dict], expected: int,
+               base_name: str = BASELINE) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """Correctness of both models on the same items, and the reasons the pairing cannot be trusted."""
     problems = []
     if len(base) != expected:
-        problems.append(f"fp16 scored {len(base)} items, expected {expected}")
+        problems.append(f"{base_name} scored {len(base)} items, expected {expected}")
     if len(variant) != expected:
         problems.append(f"scored {len(variant)} items, expected {expected}")
     if set(base) != set(variant):
-        problems.append(f"{len(set(base) ^ set(variant))} item ids do not pair with fp16's")
+        problems.append(f"{len(set(base) ^ set(variant))} item ids do not pair with {base_name}'s")
     ids = sorted(set(base) & set(variant))
     differ = [i for i in ids if (base[i].get("doc_hash"), base[i].get("prompt_hash"))
               != (variant[i].get("doc_hash"), variant[i].get("prompt_hash"))]
     if differ:
-        problems.append(f"{len(differ)} items have other prompts than fp16's (e.g. {differ[0]})")
+        problems.append(f"{len(differ)} items have other prompts than {base_name}'s (e.g. {differ[0]})")
     if any(not isinstance(base[i].get("correct"), bool) or not isinstance(variant[i].get("correct"), bool) for i in ids):
         problems.append("an item has no true/false correctness")
     b = np.array([bool(base[i].get("correct")) for i in ids])
@@ -189,8 +191,8 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
         if reasons:
             row["domains"][domain] = {"verdict": "fail", "reasons": reasons, "policy": policy.model_dump()}
             continue
-        base_items = _by_id(base_inputs["items"], domain)
-        var_items = _by_id(inputs["items"], domain)
+        base_items = by_id(base_inputs["items"], domain)
+        var_items = by_id(inputs["items"], domain)
         b, v, problems = pair_items(base_items, var_items, expected[domain])
         paired = stats.paired_comparison(b, v, resamples=p.resamples, seed=p.seed, confidence=p.confidence, power=p.power)
         if usable(probe.get("score")) and abs(probe["score"] - paired["accuracy"]) > 1e-9 and not problems:
@@ -226,7 +228,7 @@ def compare_all(variants: list[str], candidates: list[str], domains: list[str], 
                 "memory": _memory_summary(base_mem, base_mem), "accuracy": {}}
     if not base_failure:
         for domain in domains:
-            rows = _by_id(inputs[BASELINE]["items"], domain)
+            rows = by_id(inputs[BASELINE]["items"], domain)
             baseline["accuracy"][domain] = float(np.mean([r["correct"] for r in rows.values()])) if rows else None
     out = {"baseline": BASELINE, "fp16": baseline, "domains": domains, "expected_items": expected,
            "settings": {"resamples": p.resamples, "seed": p.seed, "confidence": p.confidence, "power": p.power},

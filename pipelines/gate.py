@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from pipelines import stats
-from pipelines.compare import BASELINE, usable
+from pipelines.compare import BASELINE, by_id, pair_items, usable
 from pipelines.params import Params
 
 EXIT = {"pass": 0, "fail": 1, "undecided": 2}
@@ -95,21 +93,20 @@ def _worst(verdicts) -> str:
 def regression_against(candidate_items: list[dict], production_items: list[dict], params: Params) -> list[str]:
     """Why the candidate regresses against the production version on some domain (empty: it does not).
 
-    Paired on item ids like compare; a domain whose items do not pair, or whose interval reaches below
-    the domain's margin, refuses the promotion.
+    Paired exactly as compare pairs a variant with fp16 (same ids, same prompt hashes); a domain whose
+    items do not pair, or whose interval reaches below the domain's margin, refuses the promotion.
     """
     reasons = []
+    p = params.compare
     for domain in params.evaluate.domains:
-        cand = {r["item_id"]: r["correct"] for r in candidate_items if r.get("domain") == domain}
-        prod = {r["item_id"]: r["correct"] for r in production_items if r.get("domain") == domain}
-        if not cand or set(cand) != set(prod):
+        prod = by_id(production_items, domain)
+        before, after, problems = pair_items(prod, by_id(candidate_items, domain), len(prod), "production")
+        if problems or not prod:
             reasons.append(f"{domain}: the candidate's items do not pair with production's "
-                           f"({len(cand)} vs {len(prod)} items, {len(set(cand) ^ set(prod))} unpaired)")
+                           f"({'; '.join(problems) or 'production has no items'})")
             continue
-        ids = sorted(cand)
-        p = params.compare
-        row = stats.paired_comparison(np.array([prod[i] for i in ids]), np.array([cand[i] for i in ids]),
-                                      resamples=p.resamples, seed=p.seed, confidence=p.confidence, power=p.power)
+        row = stats.paired_comparison(before, after, resamples=p.resamples, seed=p.seed, confidence=p.confidence,
+                                      power=p.power)
         margin = p.policy_for(domain).max_accuracy_drop
         if not math.isfinite(row["ci_low"]) or row["ci_low"] < -margin:
             reasons.append(f"{domain}: accuracy {row['accuracy']:.3f} vs production {row['accuracy_fp16']:.3f}, "

@@ -23,6 +23,7 @@ from mlflow import MlflowClient
 from pipelines.compare import BASELINE, flat_rows, usable
 from pipelines.io import read_json, read_jsonl
 from pipelines.params import Params
+from pipelines.route import weights_sha256
 
 KIND_TAG = "quantgate.kind"
 DIGEST_TAG = "quantgate.dvc_lock_sha256"
@@ -113,8 +114,8 @@ def child_params(manifest: dict | None, settings: dict | None) -> dict[str, str]
 
 
 def checkpoint_sha256(manifest: dict | None) -> str:
-    files = (manifest or {}).get("files") or {}
-    return ",".join(f"{k}:{v}" for k, v in sorted(files.items()) if k.endswith(".safetensors")) or "none"
+    """The weight files' sha256 as one tag value (`model.safetensors:<sha>`)."""
+    return ",".join(f"{k}:{v}" for k, v in sorted(weights_sha256(manifest).items())) or "none"
 
 
 def _dataset_inputs(paths: list[tuple[str, Path]], context: str) -> None:

@@ -28,16 +28,19 @@ def cost_bytes(memory: dict | None, tokens: int) -> float | None:
     return memory["footprint_bytes"] + per_token * tokens
 
 
+def weights_sha256(manifest: dict | None) -> dict[str, str]:
+    """The checkpoint's weight files and their sha256, from its manifest."""
+    return {k: v for k, v in ((manifest or {}).get("files") or {}).items() if k.endswith(".safetensors")}
+
+
 def provenance(name: str, variants_dir: Path, compare_row: dict | None) -> dict:
     """What the routed variant was built from and judged with."""
     path = variants_dir / name / "quantgate.json"
     manifest = read_json(path) if path.is_file() else {}
-    files = manifest.get("files", {})
-    weights = {k: v for k, v in files.items() if k.endswith(".safetensors")}
     tasks = {}
     if compare_row:
         tasks = {d: row.get("task_version") for d, row in compare_row["domains"].items()}
-    return {"checkpoint_sha256": weights, "calibration_sha256": (manifest.get("calibration") or {}).get("sha256"),
+    return {"checkpoint_sha256": weights_sha256(manifest), "calibration_sha256": (manifest.get("calibration") or {}).get("sha256"),
             "libraries": manifest.get("libraries"), "task_versions": tasks or None,
             "method": manifest.get("method"), "device": manifest.get("device")}
 
