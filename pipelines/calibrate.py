@@ -23,12 +23,13 @@ from pipelines.classify import classify
 from pipelines.code_comments import bare_functions, extract
 from pipelines.errors import QuantgateError
 from pipelines.io import atomic_dir, read_jsonl, sha256_file, sha256_text, write_json
-from pipelines.params import DOMAINS, CalibrationParams, CoverageParams, SourceParams
+from pipelines.params import CALIBRATED_METHODS, DOMAINS, METHODS, CalibrationParams, CoverageParams, SourceParams
 from pipelines.pii import mask
 
 log = logging.getLogger(__name__)
 
 BUILT_DIR = Path("calibration_sets/built")
+METHOD_DIR = "by_method"  # built/by_method/<method>.jsonl: the calibration texts a quantization method reads
 COVERAGE_DIR = Path("results/calibration")
 LENGTH_BINS = [0, 8, 16, 32, 64, 128, 256, 512, 1024, 1 << 30]
 MATH_LINES_PER_SAMPLE = 6
@@ -204,6 +205,13 @@ def write_sets(sets: dict[str, list[dict]], mixed: list[dict], stats: dict, reci
             path = tmp / f"{name}.jsonl"
             Dataset.from_list(rows).to_json(str(path), force_ascii=False)
             files[f"{name}.jsonl"] = sha256_file(path)
+        # What each quantization method reads: the mixed set, or nothing. quantize@<variant> depends on its
+        # method's file only, so fp16 and int8 do not re-run when the recipe changes.
+        (tmp / METHOD_DIR).mkdir()
+        for method in METHODS:
+            path = tmp / METHOD_DIR / f"{method}.jsonl"
+            path.write_bytes((tmp / "mixed.jsonl").read_bytes() if method in CALIBRATED_METHODS else b"")
+            files[f"{METHOD_DIR}/{method}.jsonl"] = sha256_file(path)
         manifest = {
             "recipe": recipe.model_dump(mode="json"),
             "tokenizer": tokenizer_name,

@@ -20,6 +20,7 @@ from pipelines.errors import QuantgateError
 log = logging.getLogger("pipelines.cli")
 
 RESULTS = Path("results")
+BASELINE = "fp16"  # the variant every other is judged against (compare.BASELINE; repeated so the CLI imports no torch)
 
 
 def cmd_reference(args: argparse.Namespace) -> int:
@@ -39,11 +40,14 @@ def cmd_reference(args: argparse.Namespace) -> int:
         write_json(report_path, {"status": "skipped", "reason": reason})
         log.info("reference: skipped: %s", reason)
         return 0
-    report = reference.build(params.reference, REFERENCE_DIR, report_path)
+    report = reference.from_shipped(params.reference, REFERENCE_DIR, report_path) \
+        or reference.build(params.reference, REFERENCE_DIR, report_path)
+    log.info("reference: %s", "the shipped weights (reference_model/, trained from this recipe) -> models/reference"
+             if report["source"] == "shipped" else f"trained here in {report['train_seconds']} s")
     functions = report["function_pass_rate"]
     log.info(
         "reference: %s params, held-out addition exact match %.1f%%, held-out functions pass@1 %s, "
-        "code-comment %.1f%%, chat %.1f%% (chance 25%%) -> %s",
+        "code from a Chinese comment %.1f%%, chat %.1f%% (chance 25%%) -> %s",
         f"{report['parameters']:,}", 100 * report["addition_exact_match"],
         "n/a (no sandbox isolation)" if functions is None else f"{100 * functions:.1f}%",
         100 * report["code_comment_accuracy"], 100 * report["chat_accuracy"], report_path,
@@ -78,6 +82,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Quantize one variant; its failure is recorded in its manifest and the stage still succeeds."""
     from pipelines import quantize
+    from pipelines.io import write_json
     from pipelines.models import resolve_device, resolve_model
     from pipelines.params import load_params
 
@@ -89,11 +94,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     source = resolve_model(params.model)
     device = resolve_device(params.device)
     with logs.progress(total=1, desc=f"quantize {args.variant} ({settings.method})", bar_format="{desc}: {elapsed}") as bar:
-        manifest = quantize.quantize_variant(args.variant, settings, source, Path("calibration_sets/built"), device)
+        manifest, timing = quantize.quantize_variant(args.variant, settings, source, Path("calibration_sets/built"), device)
         bar.update()
+    write_json(RESULTS / "quantize" / f"{args.variant}.json", {"variant": args.variant, "status": manifest["status"],
+                                                               **timing})
     if manifest["status"] == "ok":
         log.info("quantize %s: %s in %.1fs, %s weight bytes on disk (theory %s) -> models/variants/%s",
-                 args.variant, settings.method, manifest["quantize_seconds"],
+                 args.variant, settings.method, timing["quantize_seconds"],
                  f"{manifest['disk_bytes']['weights']:,}", f"{manifest['theoretical_weight_bytes']['total']:,}",
                  args.variant)
     else:
@@ -136,10 +143,11 @@ def cmd_memory(args: argparse.Namespace) -> int:
     params.model_under_test(args.variant)
     device = resolve_device(params.device)
     with logs.progress(total=1, desc=f"memory {args.variant} ({device})", bar_format="{desc}: {elapsed}") as bar:
-        result = memory.measure_isolated(str(VARIANTS_DIR / args.variant), params.memory, device, args.inject_leak_bytes)
+        result = memory.measure_isolated(str(VARIANTS_DIR / args.variant), params.memory, device, args.inject_leak_bytes,
+                                         args.inject_leak_rounds)
         bar.update()
     if args.inject_leak_bytes:
-        result["injected_leak_bytes_per_round"] = args.inject_leak_bytes
+        result["injected_leak"] = {"bytes_per_round": args.inject_leak_bytes, "rounds": args.inject_leak_rounds}
     write_json(MEMORY_DIR / f"{args.variant}.json", result)
     if result["status"] == "ok":
         sw = result["sweep"]
@@ -162,66 +170,86 @@ def cmd_memory_report(args: argparse.Namespace) -> int:
     for name in [*params.variants, *params.candidates]:
         path = MEMORY_DIR / f"{name}.json"
         results[name] = read_json(path) if path.is_file() else {"status": "failed", "error": f"{path} missing"}
-    summary = memory.summarize(results)
+    summary = memory.summarize(results, params.memory)
     write_json(RESULTS / "memory_summary.json", summary)
     memory.plot_all(results, RESULTS / "plots")
     for name, row in summary["variants"].items():
         if row["status"] == "ok":
             excess = row["growth_excess_pct"]
-            log.info("memory-report %-10s footprint %10s B  growth excess vs fp16 %s  leak %s", name,
-                     f"{row['footprint_bytes']:,}", "n/a" if excess is None else f"{excess:+.3f} %", row["leak"])
+            log.info("memory-report %-10s footprint %10s B  growth excess vs fp16 %s  leak %s%s", name,
+                     f"{row['footprint_bytes']:,}", "n/a" if excess is None else f"{excess:+.3f} %", row["leak"],
+                     f"  OUT OF MEMORY: {row['oom']}" if row["oom"] else "")
         else:
             log.info("memory-report %-10s FAILED: %s", name, row["error"])
     return 0
 
 
 EVAL_RESULTS = RESULTS / "eval"
-FIDELITY_BASE = EVAL_RESULTS / "fidelity_base.safetensors"
+BASELINE_RESULTS = RESULTS / "baseline"
+FIDELITY_BASE = BASELINE_RESULTS / "fidelity.safetensors"
 
 
-def cmd_fidelity_base(args: argparse.Namespace) -> int:
-    """The fp16 baseline's next-token distributions over held-out text, computed once for every variant."""
-    from pipelines import evaluate, fidelity
-    from pipelines.models import VARIANTS_DIR, load_variant, resolve_device
+def _log_probes(name: str, result: dict) -> None:
+    if result["status"] != "ok":
+        log.warning("evaluate %s: FAILED (%s)", name, result["error"])
+        return
+    for domain, row in result["probes"].items():
+        if row["status"] != "ok":
+            log.warning("evaluate %s %-12s REFUSED: %s", name, domain, row["reason"])
+            continue
+        fid = result["fidelity"][domain]
+        log.info("evaluate %s %-12s %s %.3f (%d items)  KL mean %.5f  same top-1 %.1f%%", name, domain,
+                 row["metric"], row["score"], row["items"], fid["kl"]["mean"], 100 * fid["same_top1"])
+
+
+def cmd_baseline(args: argparse.Namespace) -> int:
+    """fp16 answers every look of every probe pool, and its next-token distributions are stored once."""
+    from pipelines import compare, evaluate
+    from pipelines.io import write_json, write_jsonl
+    from pipelines.models import VARIANTS_DIR, resolve_device
     from pipelines.params import load_params
 
     params = load_params()
-    device = resolve_device(params.device)
-    model, tokenizer = load_variant(VARIANTS_DIR / "fp16", device)  # a failed fp16 stops here: no baseline, no A/B
-    texts = evaluate.fidelity_texts(params.evaluate.domains, params.evaluate.fidelity_texts)
-    fidelity.save_base(fidelity.base_record(model, tokenizer, texts, params.evaluate.top_k, device), FIDELITY_BASE)
-    log.info("fidelity-base: fp16 top-%d log-probs over %d texts per domain -> %s", params.evaluate.top_k,
-             params.evaluate.fidelity_texts, FIDELITY_BASE)
+    p = params.evaluate
+    plans = compare.probe_plans(p.domains, p)
+    with logs.progress(total=1, desc="baseline fp16 (every look)", bar_format="{desc}: {elapsed}") as bar:
+        result, items = evaluate.evaluate_variant(str(VARIANTS_DIR / BASELINE), plans, p, resolve_device(params.device),
+                                                  FIDELITY_BASE)
+        bar.update()
+    if result["status"] != "ok":  # no baseline, no A/B: stop here rather than judge against nothing
+        raise QuantgateError(f"the fp16 baseline could not be evaluated: {result['error']}")
+    write_jsonl(BASELINE_RESULTS / "items.jsonl", items)
+    write_json(BASELINE_RESULTS / "eval.json", result)
+    _log_probes(BASELINE, result)
+    log.info("baseline: %s -> %s", ", ".join(f"{d} {r['items']}" for d, r in result["probes"].items()), BASELINE_RESULTS)
     return 0
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """Probes through lm-eval (per item) and fidelity against the stored fp16 distributions."""
-    from pipelines import evaluate
-    from pipelines.io import write_json, write_jsonl
+    """Probes through lm-eval (per item, look by look against fp16's answers) and fidelity against fp16."""
+    from pipelines import compare, evaluate
+    from pipelines.io import atomic_write_text, read_json, read_jsonl, write_json, write_jsonl
     from pipelines.models import VARIANTS_DIR, resolve_device
     from pipelines.params import load_params
 
     params = load_params()
     params.model_under_test(args.variant)
     p = params.evaluate
+    if args.variant == BASELINE:  # its answers are the baseline stage's: one copy under the common layout
+        atomic_write_text(EVAL_RESULTS / BASELINE / "items.jsonl", (BASELINE_RESULTS / "items.jsonl").read_text("utf-8"))
+        write_json(EVAL_RESULTS / f"{BASELINE}.json", read_json(BASELINE_RESULTS / "eval.json"))
+        log.info("evaluate fp16: the baseline's records (%s) -> %s", BASELINE_RESULTS, EVAL_RESULTS / BASELINE)
+        return 0
+    plans = compare.probe_plans(p.domains, p)
+    base_rows = read_jsonl(BASELINE_RESULTS / "items.jsonl")
+    baseline = {d: compare.correctness(compare.by_id(base_rows, d)) for d in plans}
     with logs.progress(total=1, desc=f"evaluate {args.variant}", bar_format="{desc}: {elapsed}") as bar:
-        result, items = evaluate.evaluate_variant(str(VARIANTS_DIR / args.variant), FIDELITY_BASE, p.domains,
-                                                  p.batch_size, resolve_device(params.device), p.limit,
-                                                  p.allow_unisolated_code)
+        result, items = evaluate.evaluate_variant(str(VARIANTS_DIR / args.variant), plans, p,
+                                                  resolve_device(params.device), FIDELITY_BASE, baseline, params.compare)
         bar.update()
     write_jsonl(EVAL_RESULTS / args.variant / "items.jsonl", items)
     write_json(EVAL_RESULTS / f"{args.variant}.json", result)
-    if result["status"] == "ok":
-        for domain, row in result["probes"].items():
-            if row["status"] != "ok":
-                log.warning("evaluate %s %-12s REFUSED: %s", args.variant, domain, row["reason"])
-                continue
-            fid = result["fidelity"][domain]
-            log.info("evaluate %s %-12s %s %.3f (%d items)  KL mean %.5f  same top-1 %.1f%%", args.variant, domain,
-                     row["metric"], row["score"], row["items"], fid["kl"]["mean"], 100 * fid["same_top1"])
-    else:
-        log.warning("evaluate %s: FAILED (%s)", args.variant, result["error"])
+    _log_probes(args.variant, result)
     return 0
 
 
@@ -236,22 +264,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from pipelines.params import load_params
 
     params = load_params()
-    domains = params.evaluate.domains
-    expected = compare.expected_items(domains, params.evaluate.limit)
-    report = compare.compare_all(list(params.variants), list(params.candidates), domains, expected, params.compare,
-                                 RESULTS, VARIANTS_DIR)
+    plans = compare.probe_plans(params.evaluate.domains, params.evaluate)
+    report = compare.compare_all(list(params.variants), list(params.candidates), plans, params.compare, RESULTS,
+                                 VARIANTS_DIR)
     report["dvc_lock_sha256"] = lock_digest()  # what `gate` checks the results against
     write_json(RESULTS / "compare.json", report)
     atomic_write_text(RESULTS / "compare.csv", pd.DataFrame(compare.flat_rows(report)).to_csv(index=False))
+    write_json(RESULTS / "plots" / "differences.json",  # a DVC data plot: `dvc plots diff` across experiments
+               [{"row": f"{r['variant']} {r['domain']}", "difference": r["difference"], "ci_low": r["ci_low"],
+                 "verdict": r["verdict"]} for r in compare.flat_rows(report)])
     compare.plot_all(report, RESULTS / "plots")
     if report["fp16"]["status"] != "ok":
         log.warning("compare: baseline fp16 unusable (%s): every verdict is fail", report["fp16"]["error"])
     for name, v in report["variants"].items():
         for domain, d in v["domains"].items():
             paired = d.get("paired")
-            numbers = (f"acc {paired['accuracy']:.3f} vs {paired['accuracy_fp16']:.3f}  diff {paired['difference']:+.3f} "
-                       f"[{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}]  flips -{paired['correct_to_wrong']}/"
-                       f"+{paired['wrong_to_correct']}  McNemar p {paired['mcnemar_p']:.3f}") if paired else ""
+            numbers = (f"{paired['items']} items  acc {paired['accuracy']:.3f} vs {paired['accuracy_fp16']:.3f}  "
+                       f"diff {paired['difference']:+.3f} [{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}]  "
+                       f"flips -{paired['correct_to_wrong']}/+{paired['wrong_to_correct']}") if paired else ""
             log.info("compare %-8s %-12s %-12s %s", name, domain, d["verdict"].upper(), numbers)
             if d["verdict"] != "pass":
                 log.info("    %s", "; ".join(d["reasons"]))
@@ -264,23 +294,20 @@ ROUTING_TABLE = RESULTS / "routing_table.json"
 
 def cmd_route(args: argparse.Namespace) -> int:
     """Build the routing table from compare.json, or look one request up in it."""
+    from pipelines.params import load_params
+
+    if args.action == "lookup":  # the serving path: nothing heavy is imported (pipelines/router.py)
+        from pipelines.router import Router
+
+        row = Router.from_file(ROUTING_TABLE).route(args.text, args.context_tokens)
+        print(row["serve"])
+        log.info("route: %s request, %d tokens (bucket <= %d): serve %s, fallback under memory pressure %s (%s)",
+                 row["domain"], args.context_tokens, row["max_context_tokens"], row["serve"],
+                 row["fallback_under_memory_pressure"], row["reason"])
+        return 0
     from pipelines import route
     from pipelines.io import read_json, write_json, write_yaml
     from pipelines.lineage import lock_digest
-    from pipelines.params import load_params
-
-    if args.action == "lookup":
-        from pipelines.classify import classify
-
-        if not ROUTING_TABLE.is_file():
-            raise QuantgateError(f"{ROUTING_TABLE} not found: run `dvc repro` (or `quantgate route`) first")
-        domain = classify(args.text)
-        row = route.lookup(read_json(ROUTING_TABLE), domain, args.context_tokens)
-        print(row["serve"])
-        log.info("route: %s request, %d tokens (bucket <= %d): serve %s, fallback under memory pressure %s (%s)",
-                 domain, args.context_tokens, row["max_context_tokens"], row["serve"],
-                 row["fallback_under_memory_pressure"], row["reason"])
-        return 0
     from pipelines.models import VARIANTS_DIR
 
     params = load_params()
@@ -300,20 +327,20 @@ def cmd_record(args: argparse.Namespace) -> int:
     """Everything into MLflow (parent + child runs, tables, datasets) and passing variants into the registry."""
     from pipelines import record
     from pipelines.io import write_json
-    from pipelines.lineage import git_commit, lock_digest
+    from pipelines.lineage import git_commit, results_digest
     from pipelines.params import load_params
 
     params = load_params()
-    digest = lock_digest()
+    digest = results_digest()
     if digest is None:
         raise QuantgateError("dvc.lock not found: record runs inside `dvc repro`, after the stages it records")
     uri = tracking_uri()
     with logs.library_output("mlflow"):
         summary = record.record_pipeline(params, uri, digest, git_commit(), artifact_root=artifact_root())
-    write_json(RESULTS / "mlflow_run.json", {**summary, "tracking_uri": uri, "dvc_lock_sha256": digest,
+    write_json(RESULTS / "mlflow_run.json", {**summary, "tracking_uri": uri, "results_digest": digest,
                                               "registered_model": params.registered_model_name()})
     if summary["status"] == "already recorded":
-        log.info("record: dvc.lock %s already recorded as run %s: nothing written", digest[:12], summary["parent_run_id"])
+        log.info("record: results %s already recorded as run %s: nothing written", digest[:12], summary["parent_run_id"])
     else:
         log.info("record: parent run %s with %d child runs in experiment %r (%s)", summary["parent_run_id"],
                  len(summary["children"]), params.mlflow.experiment, uri)
@@ -323,7 +350,7 @@ def cmd_record(args: argparse.Namespace) -> int:
             log.info("record: alias 'candidate' -> version %s (%s)", summary["registered"][-1]["version"],
                      summary["registered"][-1]["variant"])
         else:
-            log.info("record: no variant passed every domain: nothing registered")
+            log.info("record: no variant passed every domain: nothing registered, alias 'candidate' removed")
     log.info("record: `quantgate ui` opens the MLflow UI")
     return 0
 
@@ -333,28 +360,36 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from pipelines import gate
     from pipelines.io import atomic_write_text, read_json, write_json
 
-    result = {"verdict": "undecided", "gated": args.variant or [], "dvc_lock_sha256": None, "reasons": []}
-    report = table = None
+    result = {"verdict": "undecided", "gated": args.variant or [], "results_digest": None, "reasons": []}
+    report = fresh = table = None
     try:
         from pipelines import compare
-        from pipelines.lineage import git_commit, lock_digest
+        from pipelines.lineage import git_commit, lock_digest, results_digest, workspace_changes
+        from pipelines.models import VARIANTS_DIR
         from pipelines.params import load_params
 
         params = load_params()
-        digest = lock_digest()
-        compare_path, table_path = RESULTS / "compare.json", ROUTING_TABLE
-        report = read_json(compare_path) if compare_path.is_file() else None
-        table = read_json(table_path) if table_path.is_file() else None
         unknown = [n for n in args.variant or [] if n not in params.variants and n not in params.candidates]
         if unknown:
             raise QuantgateError(f"--variant {unknown[0]!r} is neither a variant nor a candidate in params.yaml")
-        expected = compare.expected_items(params.evaluate.domains, params.evaluate.limit)
-        result = gate.decide(report, params, expected, digest, args.variant or None)
+        if BASELINE in (args.variant or []):
+            raise QuantgateError(f"--variant {BASELINE}: fp16 is the baseline every variant is judged against")
+        changes = workspace_changes()
+        compare_path, table_path = RESULTS / "compare.json", ROUTING_TABLE
+        report = read_json(compare_path) if compare_path.is_file() else None
+        table = read_json(table_path) if table_path.is_file() else None
+        if not changes:  # recompute the comparison from the per-item records: the same function compare ran
+            fresh = compare.compare_all(list(params.variants), list(params.candidates),
+                                        compare.probe_plans(params.evaluate.domains, params.evaluate), params.compare,
+                                        RESULTS, VARIANTS_DIR)
+        result = gate.decide(report, fresh, params, changes, lock_digest(), args.variant or None)
+        digest = results_digest()
+        result["results_digest"] = digest
         result["git"] = git_commit()
         run_file = RESULTS / "mlflow_run.json"
         if run_file.is_file():
             run = read_json(run_file)
-            if run.get("dvc_lock_sha256") == digest:
+            if run.get("results_digest") == digest:
                 result.update(mlflow_run_id=run.get("parent_run_id"), experiment=params.mlflow.experiment)
         if args.promote:
             if result["verdict"] == "pass":
@@ -371,7 +406,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     result["exit_code"] = gate.EXIT[result["verdict"]]
     try:
         write_json(RESULTS / "gate.json", result)
-        atomic_write_text(RESULTS / "report.md", gate.render_report(result, report, table))
+        atomic_write_text(RESULTS / "report.md", gate.render_report(result, fresh or report, table))
     except Exception as err:  # noqa: BLE001
         print(f"quantgate gate: could not write results/gate.json: {err}", file=sys.stderr)
         return 2
@@ -434,13 +469,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("variant")
     p.add_argument("--inject-leak-bytes", type=int, default=0, metavar="N",
                    help="keep N extra bytes alive per soak round: checks that the leak detector fires")
+    p.add_argument("--inject-leak-rounds", type=int, default=None, metavar="K",
+                   help="... for the first K rounds only: a warm-up that plateaus, which must not count as a leak")
     p.set_defaults(func=cmd_memory)
 
     p = sub.add_parser("memory-report", help="stage 4b: all variants' memory on one chart, growth vs fp16")
     p.set_defaults(func=cmd_memory_report)
 
-    p = sub.add_parser("fidelity-base", help="stage 5a: fp16 next-token distributions over held-out text, stored once")
-    p.set_defaults(func=cmd_fidelity_base)
+    p = sub.add_parser("baseline", help="stage 5a: fp16 answers every look of every probe pool; its next-token "
+                                        "distributions are stored once -> results/baseline/")
+    p.set_defaults(func=cmd_baseline)
 
     p = sub.add_parser("evaluate", help="stage 5: lm-eval probes per item + fidelity vs fp16 -> results/eval/<variant>.json")
     p.add_argument("variant")
@@ -478,7 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logs.setup(verbose=args.verbose)
+    # route lookup answers in front of every request: it must not pay for importing torch
+    logs.setup(verbose=args.verbose, libraries=not (args.command == "route" and args.action == "lookup"))
     try:
         return args.func(args)
     except QuantgateError as err:

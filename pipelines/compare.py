@@ -1,10 +1,12 @@
 """Stage `compare`: every variant against fp16, per domain, turned into a verdict that fails closed.
 
 A verdict is `pass` only when every limit of the domain's policy was checked on a real number:
-a missing, NaN or placeholder value, too few items, items that do not pair with fp16's, a missing
-baseline or a failed upstream stage all give `fail` (../shared/notes/references.md, gate rules).
-`inconclusive` means the evidence cannot tell: the accuracy interval straddles the margin, or the
-item count cannot detect a drop as small as the margin. It never routes and never releases.
+a missing, NaN or placeholder value, items that do not pair with fp16's or do not follow the look
+plan, a missing baseline or a failed upstream stage all give `fail` (../shared/notes/references.md,
+gate rules). The accuracy rule is non-inferiority (pipelines/sequential.py): `pass` when the interval's
+low end is at or above -margin, `fail` when the point estimate is below -margin, `inconclusive` only
+when the interval straddles -margin after the last look. `inconclusive` never routes and never releases.
+`judge` is the one function that turns numbers into a verdict; `gate` calls it again to re-derive.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines import stats
+from pipelines import sequential, stats
 from pipelines.evaluate import EVAL_DIR, PLACEHOLDERS
 from pipelines.io import read_json, read_jsonl
-from pipelines.params import CompareParams, PolicyParams
+from pipelines.params import CompareParams, EvaluateParams, PolicyParams
 
 BASELINE = "fp16"
 VERDICTS = ("pass", "inconclusive", "fail")
@@ -31,14 +33,22 @@ def usable(value) -> bool:
     return math.isfinite(value) and value not in PLACEHOLDERS
 
 
-def expected_items(domains: list[str], limit: int | None, eval_dir: Path = EVAL_DIR) -> dict[str, int]:
-    """How many items each probe must have scored: its items file, cut to `evaluate.limit`."""
-    counts = {}
+def probe_plans(domains: list[str], p: EvaluateParams, eval_dir: Path = EVAL_DIR) -> dict[str, dict]:
+    """Per domain: the pool size, the look sizes, the pool's evaluation order and each item's family."""
+    plans = {}
     for domain in domains:
         path = eval_dir / domain / "items.jsonl"
-        n = len(read_jsonl(path)) if path.is_file() else 0
-        counts[domain] = min(n, limit) if limit else n
-    return counts
+        items = read_jsonl(path) if path.is_file() else []
+        ids = [str(item.get("id")) for item in items]
+        plans[domain] = {"pool": len(ids), "looks": sequential.plan(len(ids), p.look_items, p.max_items, p.max_looks),
+                         "order": sequential.ordered(ids, domain),
+                         "families": {str(item.get("id")): str(item.get("family", item.get("id"))) for item in items}}
+    return plans
+
+
+def plan_summary(plans: dict[str, dict]) -> dict[str, dict]:
+    """What compare.json keeps of a plan: pool size and look sizes (the order is recomputed from the items)."""
+    return {d: {"pool": plan["pool"], "looks": plan["looks"]} for d, plan in plans.items()}
 
 
 def load_inputs(names: list[str], results: Path, variants_dir: Path) -> dict[str, dict]:
@@ -75,62 +85,67 @@ def _upstream_failure(inputs: dict | None) -> str | None:
 
 def by_id(items: list[dict], domain: str) -> dict[str, dict]:
     """One domain's per-item records keyed by their stable item id."""
-    return {row["item_id"]: row for row in items if row.get("domain") == domain}
+    return {str(row.get("item_id")): row for row in items if row.get("domain") == domain}
 
 
-def pair_items(base: dict[str, dict], variant: dict[str, dict], expected: int,
-               base_name: str = BASELINE) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """Correctness of both models on the same items, and the reasons the pairing cannot be trusted."""
+def pairing_problems(base: dict[str, dict], variant: dict[str, dict], ids: list[str],
+                     base_name: str = BASELINE) -> list[str]:
+    """Why the two models' records of `ids` cannot be paired: missing items, other prompts, no true/false."""
     problems = []
-    if len(base) != expected:
-        problems.append(f"{base_name} scored {len(base)} items, expected {expected}")
-    if len(variant) != expected:
-        problems.append(f"scored {len(variant)} items, expected {expected}")
-    if set(base) != set(variant):
-        problems.append(f"{len(set(base) ^ set(variant))} item ids do not pair with {base_name}'s")
-    ids = sorted(set(base) & set(variant))
-    differ = [i for i in ids if (base[i].get("doc_hash"), base[i].get("prompt_hash"))
+    missing = [i for i in ids if i not in base]
+    if missing:
+        problems.append(f"{base_name} has no record of {len(missing)} of the items (e.g. {missing[0]})")
+    missing = [i for i in ids if i not in variant]
+    if missing:
+        problems.append(f"no record of {len(missing)} of the items (e.g. {missing[0]})")
+    both = [i for i in ids if i in base and i in variant]
+    differ = [i for i in both if (base[i].get("doc_hash"), base[i].get("prompt_hash"))
               != (variant[i].get("doc_hash"), variant[i].get("prompt_hash"))]
     if differ:
         problems.append(f"{len(differ)} items have other prompts than {base_name}'s (e.g. {differ[0]})")
-    if any(not isinstance(base[i].get("correct"), bool) or not isinstance(variant[i].get("correct"), bool) for i in ids):
+    if any(not isinstance(base[i].get("correct"), bool) or not isinstance(variant[i].get("correct"), bool) for i in both):
         problems.append("an item has no true/false correctness")
-    b = np.array([bool(base[i].get("correct")) for i in ids])
-    v = np.array([bool(variant[i].get("correct")) for i in ids])
-    return b, v, problems
+    return problems
 
 
-def judge(paired: dict, fidelity: dict | None, memory: dict | None, policy: PolicyParams,
+def correctness(rows: dict[str, dict]) -> dict[str, bool]:
+    return {i: row.get("correct") is True for i, row in rows.items()}
+
+
+def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, policy: PolicyParams,
           identical: bool) -> tuple[str, list[str], dict]:
-    """Verdict, reasons and the value/limit of each check, for one variant and domain."""
-    fails, unsure, checks = [], [], {}
+    """Verdict, reasons and the value/limit of each check, for one variant and domain.
+
+    The accuracy part is sequential.accuracy_rule on the decisive look's numbers; every other limit is
+    a hard limit (flips, KL, memory growth beyond fp16's, a leak, an out-of-memory error).
+    """
+    fails, checks = [], {}
+    paired = paired or {}
     margin = policy.max_accuracy_drop
     kl = (fidelity or {}).get("kl", {}).get(policy.kl_percentile)
     tokens = (fidelity or {}).get("tokens")
     growth = (memory or {}).get("growth_excess_pct")
     required = {"accuracy difference": paired.get("difference"), "interval low end": paired.get("ci_low"),
-                "interval high end": paired.get("ci_high"), "flip rate": paired.get("flip_rate"),
-                f"KL {policy.kl_percentile}": kl, "fidelity tokens": tokens, "memory growth excess": growth,
-                "detectable difference": paired.get("detectable_difference")}
+                "interval high end": paired.get("ci_high"), "interval confidence": paired.get("confidence"),
+                "item count": paired.get("items"), "flip rate": paired.get("flip_rate"),
+                f"KL {policy.kl_percentile}": kl, "fidelity tokens": tokens, "memory growth excess": growth}
     for name, value in required.items():
         if not usable(value):
             fails.append(f"{name} is missing or not a number ({value!r})")
+    if fails:
+        return "fail", fails, checks
+    fails += _inconsistent(paired)
     if fails:
         return "fail", fails, checks
     if tokens < MIN_FIDELITY_TOKENS:
         fails.append(f"KL over {tokens} tokens only (at least {MIN_FIDELITY_TOKENS})")
     if identical:
         fails.append("every response and every token distribution equals fp16's: the variant was not really evaluated")
-
-    checks["accuracy_drop"] = {"value": -paired["difference"], "ci_low": paired["ci_low"], "limit": margin}
-    if paired["difference"] < -margin:
-        fails.append(f"accuracy drops {-paired['difference']:.3f} > margin {margin:.3f}")
-    elif paired["ci_low"] < -margin:
-        unsure.append(f"accuracy interval [{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}] reaches below -{margin:.3f}")
-    checks["detectable_difference"] = {"value": paired["detectable_difference"], "limit": margin}
-    if paired["detectable_difference"] > margin:
-        unsure.append(f"too few items: {paired['items']} items detect differences of {paired['detectable_difference']:.3f} "
-                      f"or more, the margin is {margin:.3f}")
+    accuracy, why = sequential.accuracy_rule(paired, margin)
+    checks["accuracy_drop"] = {"value": -paired["difference"], "ci_low": paired["ci_low"], "limit": margin,
+                               "decision": accuracy}
+    if accuracy == sequential.FAIL:
+        fails.append(why)
     checks["flip_rate"] = {"value": paired["flip_rate"], "limit": policy.max_flip_rate}
     if paired["flip_rate"] > policy.max_flip_rate:
         fails.append(f"flip rate {paired['flip_rate']:.3f} > {policy.max_flip_rate:.3f}")
@@ -141,12 +156,39 @@ def judge(paired: dict, fidelity: dict | None, memory: dict | None, policy: Poli
     if growth > policy.max_growth_excess_pct:
         fails.append(f"memory grows {growth:.2f} % of fp16's footprint more than fp16 (limit {policy.max_growth_excess_pct} %)")
     if memory.get("leak"):
-        fails.append("memory leak under repeated traffic")
+        fails.append("memory keeps growing under repeated traffic (leak)")
+    if memory.get("oom"):
+        fails.append(f"out of memory: {memory['oom']}")
     if fails:
-        return "fail", fails + unsure, checks
-    if unsure:
-        return "inconclusive", unsure, checks
-    return "pass", [f"accuracy interval low end {paired['ci_low']:+.3f} >= -{margin:.3f}; every limit met"], checks
+        return "fail", fails, checks
+    if accuracy == sequential.UNDECIDED:
+        return "inconclusive", [why], checks
+    return "pass", [f"{why}; every limit met"], checks
+
+
+def _inconsistent(paired: dict) -> list[str]:
+    """Paired numbers that contradict each other (a hand-edited or corrupted row): never judged, failed."""
+    n, lost, gained = paired["items"], paired.get("correct_to_wrong"), paired.get("wrong_to_correct")
+    out = []
+    if n <= 0:
+        out.append(f"judged on {n} items")
+    elif not (usable(lost) and usable(gained)) or not math.isclose(paired["difference"], (gained - lost) / n, abs_tol=1e-9):
+        out.append(f"difference {paired['difference']!r} is not (wrong->correct - correct->wrong) / items "
+                   f"= ({gained!r} - {lost!r}) / {n}")
+    if not paired["ci_low"] <= paired["difference"] <= paired["ci_high"]:
+        out.append(f"interval [{paired['ci_low']!r}, {paired['ci_high']!r}] does not contain the difference "
+                   f"{paired['difference']!r}")
+    return out
+
+
+def rederive(paired: dict | None, fidelity: dict | None, memory: dict | None, policy: PolicyParams, identical: bool,
+             problems: list[str]) -> tuple[str, list[str], dict]:
+    """The verdict of one compare.json row from its own numbers: records that do not follow the plan fail,
+    everything else is `judge`'s. compare writes it, gate re-derives it, and the two must agree."""
+    verdict, why, checks = judge(paired, fidelity, memory, policy, identical)
+    if problems:
+        return "fail", problems + why, checks
+    return verdict, why, checks
 
 
 def _fidelity_summary(fid: dict | None) -> dict | None:
@@ -157,11 +199,12 @@ def _fidelity_summary(fid: dict | None) -> dict | None:
 
 
 def _memory_summary(row: dict | None, base: dict | None) -> dict | None:
-    """Footprint, saving, growth excess and per-length peak deltas against fp16."""
+    """Footprint, saving, growth excess, OOM and per-length peak deltas against fp16."""
     if not row or row.get("status") != "ok":
         return None
-    out = {k: row.get(k) for k in ("footprint_bytes", "footprint_saving_pct", "growth_excess_pct", "leak",
-                                   "fitted_bytes_per_token", "theoretical_kv_bytes_per_token", "fragmentation")}
+    out = {k: row.get(k) for k in ("footprint_bytes", "footprint_saving_pct", "growth_excess_pct",
+                                   "growth_bytes_per_request", "leak", "oom", "fitted_bytes_per_token",
+                                   "theoretical_kv_bytes_per_token", "fragmentation")}
     if base and base.get("status") == "ok":
         out["footprint_delta_bytes"] = row["footprint_bytes"] - base["footprint_bytes"]
         out["peak_delta_by_tokens"] = {t: (p - base["peak_by_tokens"].get(t)) if usable(p) and usable(base["peak_by_tokens"].get(t)) else None
@@ -169,14 +212,65 @@ def _memory_summary(row: dict | None, base: dict | None) -> dict | None:
     return out
 
 
+def compare_domain(base_rows: dict[str, dict], var_rows: dict[str, dict], probe: dict, fid: dict | None,
+                   mem: dict | None, plan: dict, policy: PolicyParams, p: CompareParams) -> dict:
+    """One variant and domain: run the looks, check the records follow the look plan, then judge."""
+    order, looks = plan["order"], plan["looks"]
+    problems = [] if looks else ["the probe pool is empty"]
+    cap = looks[-1] if looks else 0
+    if set(base_rows) != set(order[:cap]):
+        problems.append(f"{BASELINE} scored {len(base_rows)} items; the look plan needs exactly the pool's first {cap} "
+                        "(in evaluation order)")
+    run = sequential.run_looks(correctness(base_rows), correctness(var_rows), order, looks, plan["families"],
+                               policy.max_accuracy_drop, p.alpha, p.spending)
+    needed = order[: sequential.needed_items(run)]
+    problems += pairing_problems(base_rows, var_rows, needed)
+    if set(var_rows) != set(needed):
+        problems.append(f"scored {len(var_rows)} items; the look plan {looks} needed exactly the pool's first "
+                        f"{len(needed)} (in evaluation order)")
+    if sequential.more_items(run) is not None:
+        problems.append(f"evaluation stopped at look {run['look']} of {len(looks)} although the interval straddled the margin")
+    paired = run["paired"]
+    if paired and usable(probe.get("score")) and abs(probe["score"] - paired["accuracy"]) > 1e-9 and not problems:
+        problems.append(f"lm-eval score {probe['score']} disagrees with the per-item accuracy {paired['accuracy']}")
+    identical = bool(needed) and all(base_rows[i].get("response") == var_rows[i].get("response")
+                                     for i in needed if i in base_rows and i in var_rows) \
+        and bool(fid) and fid.get("kl", {}).get("max") == 0
+    if paired is None:
+        verdict, why, checks = "fail", problems or [run["reason"]], {}
+    else:
+        verdict, why, checks = rederive(paired, fid, mem, policy, identical, problems)
+    row = {"verdict": verdict, "reasons": why, "paired": paired, "record_problems": problems,
+           "identical_to_fp16": identical,
+           "looks": {k: run.get(k) for k in ("look", "looks", "alpha", "alpha_total", "spending", "history")},
+           "fidelity": _fidelity_summary(fid), "checks": checks, "policy": policy.model_dump(),
+           "task_version": probe.get("task_version"), "metric": probe.get("metric")}
+    if verdict == "inconclusive" and paired:
+        need = stats.items_to_decide(paired["difference"], paired["flip_rate"], policy.max_accuracy_drop,
+                                     run["alpha"], p.power, paired["design_effect"], paired["degrees_of_freedom"])
+        row["items_to_decide"] = None if need is None else math.ceil(need)
+        row["reasons"].append(_more_items_advice(need, paired, p.power))
+    return row
+
+
+def _more_items_advice(need: float | None, paired: dict, power: float) -> str:
+    """What an inconclusive row tells the user to do."""
+    if need is None:
+        return "no number of items would decide at the observed difference"
+    if need > paired["items"]:
+        return f"about {math.ceil(need) - paired['items']} more items would decide (at the observed discordance, power {power})"
+    return (f"the flips cluster in few of the {paired['families']} item families (design effect "
+            f"{paired['design_effect']:.1f}): items from more families would decide, not more of the same ones")
+
+
 def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | None, memory: dict,
-                domains: list[str], expected: dict[str, int], p: CompareParams) -> dict:
-    """One variant's rows: per domain the paired statistics, the checks and the verdict."""
+                plans: dict[str, dict], p: CompareParams) -> dict:
+    """One variant's rows: per domain the looks, the paired statistics, the checks and the verdict."""
     failure = _upstream_failure(inputs)
     mem_rows = memory.get("variants", {})
     mem = _memory_summary(mem_rows.get(name), mem_rows.get(BASELINE))
     row = {"kind": inputs.get("kind", "variant"), "memory": mem, "domains": {}}
-    for domain in domains:
+    for domain, plan in plans.items():
         policy = p.policy_for(domain)
         reasons = []
         if base_failure:
@@ -191,28 +285,16 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
         if reasons:
             row["domains"][domain] = {"verdict": "fail", "reasons": reasons, "policy": policy.model_dump()}
             continue
-        base_items = by_id(base_inputs["items"], domain)
-        var_items = by_id(inputs["items"], domain)
-        b, v, problems = pair_items(base_items, var_items, expected[domain])
-        paired = stats.paired_comparison(b, v, resamples=p.resamples, seed=p.seed, confidence=p.confidence, power=p.power)
-        if usable(probe.get("score")) and abs(probe["score"] - paired["accuracy"]) > 1e-9 and not problems:
-            problems.append(f"lm-eval score {probe['score']} disagrees with the per-item accuracy {paired['accuracy']}")
         fid = (inputs["eval"].get("fidelity") or {}).get(domain)
-        identical = all(base_items[i].get("response") == var_items[i].get("response") for i in base_items if i in var_items) \
-            and bool(fid) and fid.get("kl", {}).get("max") == 0
-        verdict, why, checks = judge(paired, fid, mem, policy, identical)
-        if problems:
-            verdict, why = "fail", problems + why
-        row["domains"][domain] = {"verdict": verdict, "reasons": why, "paired": paired,
-                                  "fidelity": _fidelity_summary(fid), "checks": checks, "policy": policy.model_dump(),
-                                  "task_version": probe.get("task_version"), "metric": probe.get("metric")}
+        row["domains"][domain] = compare_domain(by_id(base_inputs["items"], domain), by_id(inputs["items"], domain),
+                                                probe, fid, mem, plan, policy, p)
     verdicts = [d["verdict"] for d in row["domains"].values()]
     row["verdict"] = next((v for v in ("fail", "inconclusive") if v in verdicts), "pass") if verdicts else "fail"
     return row
 
 
-def compare_all(variants: list[str], candidates: list[str], domains: list[str], expected: dict[str, int],
-                p: CompareParams, results: Path, variants_dir: Path) -> dict:
+def compare_all(variants: list[str], candidates: list[str], plans: dict[str, dict], p: CompareParams,
+                results: Path, variants_dir: Path) -> dict:
     """compare.json: the baseline's own numbers, then every variant and candidate against it."""
     names = [BASELINE, *[n for n in variants if n != BASELINE], *candidates]
     inputs = load_inputs(names, results, variants_dir)
@@ -227,14 +309,14 @@ def compare_all(variants: list[str], candidates: list[str], domains: list[str], 
     baseline = {"status": "failed" if base_failure else "ok", "error": base_failure,
                 "memory": _memory_summary(base_mem, base_mem), "accuracy": {}}
     if not base_failure:
-        for domain in domains:
+        for domain in plans:
             rows = by_id(inputs[BASELINE]["items"], domain)
-            baseline["accuracy"][domain] = float(np.mean([r["correct"] for r in rows.values()])) if rows else None
-    out = {"baseline": BASELINE, "fp16": baseline, "domains": domains, "expected_items": expected,
-           "settings": {"resamples": p.resamples, "seed": p.seed, "confidence": p.confidence, "power": p.power},
+            baseline["accuracy"][domain] = float(np.mean([r.get("correct") is True for r in rows.values()])) if rows else None
+    out = {"baseline": BASELINE, "fp16": baseline, "domains": list(plans), "plans": plan_summary(plans),
+           "settings": {"confidence": p.confidence, "alpha": p.alpha, "spending": p.spending, "power": p.power},
            "variants": {}}
     for name in names[1:]:
-        out["variants"][name] = compare_one(name, inputs[name], inputs[BASELINE], base_failure, memory, domains, expected, p)
+        out["variants"][name] = compare_one(name, inputs[name], inputs[BASELINE], base_failure, memory, plans, p)
     return out
 
 
@@ -245,12 +327,14 @@ def flat_rows(report: dict) -> list[dict]:
         for domain, d in v["domains"].items():
             paired = d.get("paired") or {}
             fid = d.get("fidelity") or {}
-            rows.append({"variant": name, "domain": domain, "verdict": d["verdict"],
+            rows.append({"variant": name, "domain": domain, "verdict": d["verdict"], "items": paired.get("items"),
+                         "look": (d.get("looks") or {}).get("look"),
                          "accuracy_fp16": paired.get("accuracy_fp16"), "accuracy": paired.get("accuracy"),
                          "difference": paired.get("difference"), "ci_low": paired.get("ci_low"),
-                         "ci_high": paired.get("ci_high"), "correct_to_wrong": paired.get("correct_to_wrong"),
+                         "ci_high": paired.get("ci_high"), "confidence": paired.get("confidence"),
+                         "design_effect": paired.get("design_effect"), "correct_to_wrong": paired.get("correct_to_wrong"),
                          "wrong_to_correct": paired.get("wrong_to_correct"), "flip_rate": paired.get("flip_rate"),
-                         "mcnemar_p": paired.get("mcnemar_p"), "detectable_difference": paired.get("detectable_difference"),
+                         "mcnemar_p": paired.get("mcnemar_p"), "items_to_decide": d.get("items_to_decide"),
                          "kl_mean": (fid.get("kl") or {}).get("mean"), "kl_p99": (fid.get("kl") or {}).get("p99"),
                          "same_top1": fid.get("same_top1"),
                          "growth_excess_pct": (v.get("memory") or {}).get("growth_excess_pct"),

@@ -21,10 +21,10 @@ log = logging.getLogger(__name__)
 EVAL_DIR = Path("eval")
 # domain -> (lm-eval task, the metric that scores an item correct)
 PROBES = {"math": ("quantgate_math", "exact_match"), "code": ("quantgate_code", "pass@1"),
-          "chat": ("quantgate_chat", "acc"), "code_comment": ("quantgate_code_comment", "acc")}
+          "chat": ("quantgate_chat", "acc"), "code_comment": ("quantgate_code_comment", "exact_match")}
 PLACEHOLDERS = (999, "N/A")
 REQUIRED_FIELDS = {"math": ("id", "question", "answer"), "code": ("id", "prompt", "canonical", "tests"),
-                   "chat": ("id", "context", "choices", "gold"), "code_comment": ("id", "context", "choices", "gold")}
+                   "chat": ("id", "context", "choices", "gold"), "code_comment": ("id", "prompt", "answer")}
 
 
 def check_items(domains: list[str]) -> None:
@@ -47,9 +47,16 @@ def _number(value):
     return float(value)
 
 
-def run_probes(model, tokenizer, domains: list[str], batch_size: int, limit: int | None = None,
+def probe_items(domain: str) -> list[dict]:
+    """A domain's probe pool, in file order (lm-eval's doc ids are positions in this file)."""
+    from pipelines.io import read_jsonl
+
+    return read_jsonl(EVAL_DIR / domain / "items.jsonl")
+
+
+def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int,
                allow_unisolated_code: bool = False) -> tuple[dict, list[dict]]:
-    """(summary per domain, per-item records) from one lm_eval.simple_evaluate call.
+    """(summary per domain, per-item records) of one lm_eval.simple_evaluate call over the given doc ids.
 
     Code probes run model-written code through the sandbox; where it cannot isolate and the user has
     not allowed unisolated runs, the code domain is refused (recorded, never silently scored 0).
@@ -62,20 +69,23 @@ def run_probes(model, tokenizer, domains: list[str], batch_size: int, limit: int
 
     summary: dict = {}
     isolated = sandbox.isolation_available()
-    if "code" in domains:
+    if "code" in requests:
         if not isolated and not allow_unisolated_code:
             summary["code"] = {"task": PROBES["code"][0], "status": "refused", "score": None, "stderr": None,
                                "items": 0, "reason": "sandbox isolation unavailable; set "
                                "evaluate.allow_unisolated_code: true to run code probes anyway"}
-            domains = [d for d in domains if d != "code"]
+            requests = {d: ids for d, ids in requests.items() if d != "code"}
         os.environ["QUANTGATE_ALLOW_UNISOLATED_CODE"] = "1" if allow_unisolated_code else "0"
-    tasks = {PROBES[d][0]: d for d in domains}
+    tasks = {PROBES[d][0]: d for d in requests}
+    if not tasks:
+        return summary, []
     with library_output("lm_eval"):
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         out = simple_evaluate(model=lm, tasks=list(tasks), task_manager=TaskManager(include_path=str(EVAL_DIR),
-                              include_defaults=False), log_samples=True, limit=limit, random_seed=0,
+                              include_defaults=False), log_samples=True,
+                              samples={t: sorted(requests[d]) for t, d in tasks.items()}, random_seed=0,
                               numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
-                              confirm_run_unsafe_code="code" in domains)
+                              confirm_run_unsafe_code="code" in requests)
     items = []
     for task, domain in tasks.items():
         metric = PROBES[domain][1]
@@ -85,43 +95,131 @@ def run_probes(model, tokenizer, domains: list[str], batch_size: int, limit: int
                            "score": _number(res.get(f"{metric},none")),
                            "stderr": _number(res.get(f"{metric}_stderr,none")), "items": len(samples)}
         for s in samples:
-            items.append({"domain": domain, "task": task, "item_id": s["doc"]["id"], "doc_id": s["doc_id"],
-                          "doc_hash": s["doc_hash"], "prompt_hash": s["prompt_hash"], "target": str(s["target"]),
-                          "response": str(s["filtered_resps"][0]), "correct": bool(s[metric])})
+            items.append({"domain": domain, "task": task, "item_id": str(s["doc"]["id"]), "family": s["doc"].get("family"),
+                          "doc_id": s["doc_id"], "doc_hash": s["doc_hash"], "prompt_hash": s["prompt_hash"],
+                          "target": str(s["target"]), "response": str(s["filtered_resps"][0]), "correct": bool(s[metric])})
         if domain == "code":
             summary[domain]["isolation"] = sandbox.FULL if isolated else sandbox.WEAK
     return summary, items
 
 
-def fidelity_texts(domains: list[str], per_domain: int) -> dict[str, list[str]]:
-    """Held-out text per domain: the probe items' prompts with their gold answers."""
-    from pipelines.io import read_jsonl
+def _merge(total: dict, block: dict) -> None:
+    """Add one block's lm-eval summary to a domain's running summary (score: item-weighted mean of blocks)."""
+    for domain, row in block.items():
+        if row["status"] != "ok":
+            total[domain] = row
+            continue
+        seen = total.setdefault(domain, {**row, "score": 0.0, "items": 0, "blocks": []})
+        seen["blocks"].append({"items": row["items"], "score": row["score"], "stderr": row["stderr"]})
+        n = seen["items"] + row["items"]
+        seen["score"] = None if row["score"] is None or seen["score"] is None else \
+            (seen["score"] * seen["items"] + row["score"] * row["items"]) / n
+        seen["items"] = n
+        seen["stderr"] = None  # a per-block lm-eval stderr does not add up; compare's interval is the paired one
 
+
+def evaluate_looks(model, tokenizer, plans: dict[str, dict], batch_size: int, allow_unisolated_code: bool,
+                   baseline: dict[str, dict[str, bool]] | None, policy_for, compare) -> tuple[dict, list[dict]]:
+    """Probe items look by look, in each pool's evaluation order.
+
+    The baseline (baseline=None) answers every look of every domain. A variant answers a domain's next look
+    only while sequential.run_looks against the baseline's answers is still undecided: the same rule compare
+    applies, so the records end exactly where the decision was made.
+    """
+    from pipelines import sequential
+
+    summary: dict = {}
+    records: list[dict] = []
+    done = {d: 0 for d in plans}
+    active = [d for d in plans if plans[d]["looks"]]
+    positions = {d: {str(item.get("id")): n for n, item in enumerate(probe_items(d))} for d in plans}
+    for look in range(max((len(p["looks"]) for p in plans.values()), default=0)):
+        requests = {d: [positions[d][i] for i in plans[d]["order"][done[d]: plans[d]["looks"][look]]]
+                    for d in active if look < len(plans[d]["looks"])}
+        if not requests:
+            break
+        block, items = run_probes(model, tokenizer, requests, batch_size, allow_unisolated_code)
+        _merge(summary, block)
+        records += items
+        for d in list(requests):
+            done[d] = plans[d]["looks"][look]
+            if summary.get(d, {}).get("status") != "ok":
+                active.remove(d)
+                continue
+            if baseline is None:
+                continue
+            mine = {r["item_id"]: r["correct"] for r in records if r["domain"] == d}
+            run = sequential.run_looks(baseline.get(d, {}), mine, plans[d]["order"], plans[d]["looks"],
+                                       plans[d]["families"], policy_for(d).max_accuracy_drop, compare.alpha,
+                                       compare.spending)
+            if sequential.more_items(run) is None:
+                active.remove(d)
+    return summary, records
+
+
+def full_text(domain: str, item: dict) -> str:
+    """A probe item as plain text: its prompt followed by its gold answer."""
+    if domain == "math":
+        return item["question"] + item["answer"]
+    if domain == "code":
+        return item["prompt"] + item["canonical"]
+    if domain == "code_comment":
+        return item["prompt"] + " " + item["answer"]
+    return item["context"] + item["choices"][item["gold"]]
+
+
+def _interleaved(families: list[str]) -> list[str]:
+    """Families ordered so that `a:x, b:x, a:y, b:y`: a family `direction:source` is spread by direction first."""
+    groups: dict[str, list[str]] = {}
+    for family in sorted(families):
+        groups.setdefault(family.split(":")[0], []).append(family)
+    order, queues = [], list(groups.values())
+    while any(queues):
+        order += [q.pop(0) for q in queues if q]
+    return order
+
+
+def fidelity_texts(domains: list[str], per_domain: int) -> dict[str, list[str]]:
+    """Held-out text per domain: probe prompts with their gold answers, taken round-robin across the pool's
+    families (item `family`; `direction:source` for code comments, spread by direction first), so KL sees
+    every kind of item instead of the first N of one kind."""
     texts = {}
     for domain in domains:
-        rows = read_jsonl(EVAL_DIR / domain / "items.jsonl")[:per_domain]
-        if domain == "math":
-            texts[domain] = [r["question"] + r["answer"] for r in rows]
-        elif domain == "code":
-            texts[domain] = [r["prompt"] + r["canonical"] for r in rows]
-        else:
-            texts[domain] = [r["context"] + r["choices"][r["gold"]] for r in rows]
+        families: dict[str, list[dict]] = {}
+        for item in probe_items(domain):
+            families.setdefault(str(item.get("family", "")), []).append(item)
+        queues = [families[f] for f in _interleaved(list(families))]
+        picked = []
+        while len(picked) < per_domain and any(queues):
+            for rows in queues:
+                if rows and len(picked) < per_domain:
+                    picked.append(rows.pop(0))
+        texts[domain] = [full_text(domain, r) for r in picked]
     return texts
 
 
-def evaluate_variant(variant_dir: str, base_path: Path, domains: list[str], batch_size: int, device: str,
-                     limit: int | None = None, allow_unisolated_code: bool = False) -> tuple[dict, list[dict]]:
-    """Probes and fidelity for one variant; a variant that cannot load is recorded as failed."""
-    result: dict = {"variant": Path(variant_dir).name, "device": device, "batch_size": batch_size}
+def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, fidelity_base: Path,
+                     baseline: dict[str, dict[str, bool]] | None = None, compare=None) -> tuple[dict, list[dict]]:
+    """Probes (look by look) and fidelity for one model; a model that cannot load is recorded as failed.
+
+    `p`: EvaluateParams. baseline=None means this model is the baseline: it answers every look and its
+    next-token distributions are written to `fidelity_base`; a variant stops where its decision is made
+    (`compare`: CompareParams, the rule's margin and alpha) and is compared against `fidelity_base`.
+    """
+    result: dict = {"variant": Path(variant_dir).name, "device": device, "batch_size": p.batch_size}
     try:
-        check_items(domains)
+        check_items(list(plans))
         model, tokenizer = load_variant(variant_dir, device)
         if tokenizer.pad_token is None:  # HFLM batches need one; say so rather than fail deep inside
             tokenizer.pad_token = tokenizer.eos_token
             result["note"] = "tokenizer had no pad token; eos is used for padding"
-        summary, items = run_probes(model, tokenizer, domains, batch_size, limit, allow_unisolated_code)
+        summary, items = evaluate_looks(model, tokenizer, plans, p.batch_size, p.allow_unisolated_code, baseline,
+                                        compare.policy_for if compare else None, compare)
         result["probes"] = summary
-        result["fidelity"] = fidelity.compare(model, fidelity.load_base(base_path), domains, device)
+        if baseline is None:
+            texts = fidelity_texts(list(plans), p.fidelity_texts)
+            fidelity.save_base(fidelity.base_record(model, tokenizer, texts, p.top_k, device), fidelity_base)
+        result["fidelity"] = fidelity.compare(model, fidelity.load_base(fidelity_base), list(plans), device)
         result["status"] = "ok"
         return result, items
     except Exception as err:  # noqa: BLE001 - one variant's failure is that variant's result

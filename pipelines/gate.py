@@ -1,10 +1,12 @@
 """`quantgate gate`: the release verdict CI gates on, failing closed.
 
 Exit 0: every gated variant passed every domain. Exit 1: something failed (a verdict, a missing or
-non-numeric required metric, a wrong item count, a missing baseline, a refused promotion). Exit 2: it
-could not decide (no or stale results, an `inconclusive` verdict, any exception inside the gate).
-The gate re-checks what compare.json claims instead of trusting its verdict field alone
-(../shared/notes/references.md: required metrics come from the policy, not from the results).
+non-numeric required metric, a missing baseline, a refused promotion). Exit 2: it could not decide
+(the workspace differs from what DVC recorded, compare.json disagrees with its own numbers or with the
+per-item records, an `inconclusive` verdict, any exception inside the gate).
+The gate decides only on the workspace it stands in (DVC's own status must be clean) and never trusts
+a verdict field: it re-derives each verdict from compare.json's numbers with compare's own function,
+and recomputes compare.json from the per-item records (../shared/notes/references.md, rules 8 and 9).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 import math
 
 from pipelines import stats
-from pipelines.compare import BASELINE, by_id, pair_items, usable
+from pipelines.compare import BASELINE, by_id, pairing_problems, rederive, usable
 from pipelines.params import Params
 
 EXIT = {"pass": 0, "fail": 1, "undecided": 2}
+KEY_NUMBERS = ("items", "difference", "ci_low", "ci_high", "correct_to_wrong", "wrong_to_correct", "design_effect")
 
 
 def _required(row: dict, policy: dict) -> dict:
@@ -28,20 +31,47 @@ def _required(row: dict, policy: dict) -> dict:
             f"kl_{policy['kl_percentile']}": kl, "growth_excess_pct": growth}
 
 
-def check_row(name: str, domain: str, row: dict | None, params: Params, expected: int) -> tuple[str, list[str]]:
-    """One variant and domain: `pass`, `fail` or `undecided`, and why."""
+def inconsistencies(name: str, domain: str, row: dict, fresh: dict | None, memory: dict | None,
+                    params: Params) -> list[str]:
+    """Why compare.json's row cannot be believed: its verdict is not what its own numbers give, or it is not
+    what the per-item records in the workspace give today."""
+    where = f"{name} {domain}"
+    policy = params.compare.policy_for(domain)
+    if row.get("policy") != policy.model_dump():
+        return [f"{where}: compared under another policy than params.yaml's"]
+    out = []
+    if row.get("paired") or row.get("record_problems"):
+        again, _, _ = rederive(row.get("paired"), row.get("fidelity"), memory, policy,
+                               bool(row.get("identical_to_fp16")), list(row.get("record_problems") or []))
+        if again != row.get("verdict"):
+            out.append(f"{where}: compare.json says {row.get('verdict')!r} but its own numbers give {again!r}")
+    if fresh is None:
+        return out + [f"{where}: not in a comparison recomputed from the workspace"]
+    if fresh.get("verdict") != row.get("verdict"):
+        out.append(f"{where}: compare.json says {row.get('verdict')!r}, the per-item records in the workspace give "
+                   f"{fresh.get('verdict')!r}")
+    theirs, ours = row.get("paired") or {}, fresh.get("paired") or {}
+    differ = [k for k in KEY_NUMBERS if not _same(theirs.get(k), ours.get(k))]
+    if differ:
+        out.append(f"{where}: compare.json's {', '.join(differ)} differ from the per-item records'")
+    return out
+
+
+def _same(a, b) -> bool:
+    if usable(a) and usable(b):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return a == b
+
+
+def check_row(name: str, domain: str, row: dict | None, params: Params) -> tuple[str, list[str]]:
+    """One variant and domain of a compare.json already found consistent: `pass`, `fail` or `undecided`, and why."""
     if row is None:
         return "fail", [f"{name} {domain}: no comparison"]
     policy = params.compare.policy_for(domain).model_dump()
-    if row.get("policy") != policy:
-        return "undecided", [f"{name} {domain}: compared under another policy than params.yaml's: run dvc repro"]
     if row.get("verdict") == "fail" or not row.get("paired"):
         return "fail", [f"{name} {domain}: {r}" for r in row.get("reasons") or ["failed"]]
     reasons = [f"{name} {domain}: {key} is missing or not a number ({value!r})"
                for key, value in _required(row, policy).items() if not usable(value)]
-    items = row["paired"].get("items")
-    if items != expected:
-        reasons.append(f"{name} {domain}: scored over {items} items, expected {expected}")
     if not reasons and row["paired"]["accuracy"] == 0 and row["paired"]["accuracy_fp16"] == 0:
         reasons.append(f"{name} {domain}: all-zero results for the variant and fp16")
     if reasons:
@@ -53,32 +83,57 @@ def check_row(name: str, domain: str, row: dict | None, params: Params, expected
     return "pass", []
 
 
-def decide(report: dict | None, params: Params, expected: dict[str, int], digest: str | None,
+def decide(report: dict | None, fresh: dict | None, params: Params, changes: list[str], upstream_digest: str | None,
            gated: list[str] | None = None) -> dict:
-    """The release verdict over the gated variants (default: every variant and candidate)."""
+    """The release verdict over the gated variants (default: every variant and candidate).
+
+    report: compare.json as found; fresh: compare recomputed now from the workspace's files; changes: what
+    DVC's status says differs from dvc.lock. Anything stale or inconsistent is `undecided`, never `pass`.
+    """
     names = gated or [*[n for n in params.variants if n != BASELINE], *params.candidates]
-    result = {"verdict": "undecided", "gated": names, "dvc_lock_sha256": digest, "reasons": [], "variants": {}}
+    result = {"verdict": "undecided", "gated": names, "reasons": [], "variants": {}}
+    if changes:
+        result["reasons"] += ["the workspace differs from what DVC recorded in dvc.lock; run dvc repro:"]
+        result["reasons"] += [f"  {c}" for c in changes]
+        return result
     if report is None:
         result["reasons"].append("no comparison results (results/compare.json): run dvc repro")
         return result
-    if digest is None or report.get("dvc_lock_sha256") != digest:
-        result["reasons"].append("results/compare.json was not made from the current dvc.lock: run dvc repro")
+    if upstream_digest is None or report.get("dvc_lock_sha256") != upstream_digest:
+        result["reasons"].append("results/compare.json was not made from the results dvc.lock records: run dvc repro")
         return result
-    if (report.get("fp16") or {}).get("status") != "ok":
+    if list(report.get("domains") or []) != list(params.evaluate.domains):
+        result["reasons"].append(f"compare.json judges domains {report.get('domains')}, params.yaml asks for "
+                                 f"{params.evaluate.domains}: run dvc repro")
+        return result
+    if fresh is None or report.get("plans") != fresh.get("plans") or report.get("settings") != fresh.get("settings"):
+        result["reasons"].append("compare.json's look plans or statistics settings differ from params.yaml and the "
+                                 "probe items: run dvc repro")
+        return result
+    if (fresh.get("fp16") or {}).get("status") != "ok" or (report.get("fp16") or {}).get("status") != "ok":
         result["verdict"] = "fail"
-        result["reasons"].append(f"baseline fp16 missing or failed: {(report.get('fp16') or {}).get('error')}")
+        result["reasons"].append(f"baseline fp16 missing or failed: {(fresh.get('fp16') or {}).get('error')}")
         return result
-    outcomes = []
+    outcomes, broken = [], []
     for name in names:
         row = (report.get("variants") or {}).get(name)
+        fresh_row = (fresh.get("variants") or {}).get(name)
         per_domain = {}
         for domain in params.evaluate.domains:
-            verdict, why = check_row(name, domain, ((row or {}).get("domains") or {}).get(domain), params,
-                                     expected[domain])
+            d = ((row or {}).get("domains") or {}).get(domain)
+            if d is not None:
+                broken += inconsistencies(name, domain, d, ((fresh_row or {}).get("domains") or {}).get(domain),
+                                          (row or {}).get("memory"), params)
+            verdict, why = check_row(name, domain, d, params)
             per_domain[domain] = verdict
             outcomes.append(verdict)
             result["reasons"].extend(why)
         result["variants"][name] = {"verdict": _worst(per_domain.values()), "domains": per_domain}
+    if broken:
+        result["verdict"] = "undecided"
+        result["reasons"] = ["compare.json is not what its numbers and the workspace's per-item records give: "
+                             "run dvc repro (and do not edit results by hand)"] + broken
+        return result
     result["verdict"] = _worst(outcomes) if outcomes else "undecided"
     if not outcomes:
         result["reasons"].append("nothing to gate: no variants or candidates")
@@ -93,24 +148,28 @@ def _worst(verdicts) -> str:
 def regression_against(candidate_items: list[dict], production_items: list[dict], params: Params) -> list[str]:
     """Why the candidate regresses against the production version on some domain (empty: it does not).
 
-    Paired exactly as compare pairs a variant with fp16 (same ids, same prompt hashes); a domain whose
-    items do not pair, or whose interval reaches below the domain's margin, refuses the promotion.
+    Paired on the items both versions answered (each answered a prefix of the pool's evaluation order, so
+    the shorter one), same ids and prompt hashes; a domain whose items do not pair, or whose score interval
+    reaches below the domain's margin, refuses the promotion.
     """
     reasons = []
-    p = params.compare
     for domain in params.evaluate.domains:
-        prod = by_id(production_items, domain)
-        before, after, problems = pair_items(prod, by_id(candidate_items, domain), len(prod), "production")
-        if problems or not prod:
+        prod, cand = by_id(production_items, domain), by_id(candidate_items, domain)
+        common = sorted(set(prod) & set(cand))
+        problems = pairing_problems(prod, cand, common, "production")
+        if problems or not common:
             reasons.append(f"{domain}: the candidate's items do not pair with production's "
-                           f"({'; '.join(problems) or 'production has no items'})")
+                           f"({'; '.join(problems) or 'no items in common'})")
             continue
-        row = stats.paired_comparison(before, after, resamples=p.resamples, seed=p.seed, confidence=p.confidence,
-                                      power=p.power)
-        margin = p.policy_for(domain).max_accuracy_drop
+        before = [prod[i]["correct"] for i in common]
+        after = [cand[i]["correct"] for i in common]
+        row = stats.paired_comparison(before, after, families=[prod[i].get("family") or i for i in common],
+                                      confidence=params.compare.confidence)
+        margin = params.compare.policy_for(domain).max_accuracy_drop
         if not math.isfinite(row["ci_low"]) or row["ci_low"] < -margin:
-            reasons.append(f"{domain}: accuracy {row['accuracy']:.3f} vs production {row['accuracy_fp16']:.3f}, "
-                           f"difference interval [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}] reaches below -{margin}")
+            reasons.append(f"{domain}: accuracy {row['accuracy']:.3f} vs production {row['accuracy_fp16']:.3f} on "
+                           f"{len(common)} common items, difference interval [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}] "
+                           f"reaches below -{margin}")
     return reasons
 
 
@@ -125,13 +184,13 @@ def render_report(result: dict, report: dict | None, table: dict | None) -> str:
     """results/report.md: the verdict, the per-domain evidence and the routing table, for a pull request."""
     head = {"pass": "PASS", "fail": "FAIL", "undecided": "UNDECIDED (counts as a failure)"}[result["verdict"]]
     lines = [f"## quantgate release gate: {head}", ""]
-    lines.append(f"Gated: {', '.join(result['gated']) or 'nothing'}. dvc.lock digest `{(result['dvc_lock_sha256'] or 'none')[:12]}`"
+    lines.append(f"Gated: {', '.join(result['gated']) or 'nothing'}. Results digest `{(result.get('results_digest') or 'none')[:12]}`"
                  + (f", commit `{result['git']['commit'][:10]}`" if (result.get("git") or {}).get("commit") else "") + ".")
     if result.get("mlflow_run_id"):
         lines.append(f"MLflow parent run `{result['mlflow_run_id']}` (experiment `{result.get('experiment')}`).")
     lines.append("")
     if report and report.get("variants"):
-        lines += ["| variant | domain | verdict | accuracy (fp16) | difference [95% CI] | flips −/+ | McNemar p | KL p99 | growth excess |",
+        lines += ["| variant | domain | verdict | items (look) | accuracy (fp16) | difference [interval] | flips −/+ | KL p99 | growth excess |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for name in result["gated"]:
             for domain, d in (((report["variants"].get(name) or {}).get("domains")) or {}).items():
@@ -140,12 +199,14 @@ def render_report(result: dict, report: dict | None, table: dict | None) -> str:
                     lines.append(f"| {name} | {domain} | **{d['verdict']}** | – | – | – | – | – | – |")
                     continue
                 growth = ((d.get("checks") or {}).get("growth_excess_pct") or {}).get("value")
-                lines.append(f"| {name} | {domain} | **{d['verdict']}** | {_fmt(p.get('accuracy'), '.3f')} "
+                looks = d.get("looks") or {}
+                lines.append(f"| {name} | {domain} | **{d['verdict']}** | {_fmt(p.get('items'), 'd')} "
+                             f"({looks.get('look')} of {len(looks.get('looks') or [])}) | {_fmt(p.get('accuracy'), '.3f')} "
                              f"({_fmt(p.get('accuracy_fp16'), '.3f')}) | {_fmt(p.get('difference'), '+.3f')} "
-                             f"[{_fmt(p.get('ci_low'), '+.3f')}, {_fmt(p.get('ci_high'), '+.3f')}] | "
+                             f"[{_fmt(p.get('ci_low'), '+.3f')}, {_fmt(p.get('ci_high'), '+.3f')}] "
+                             f"({_fmt(100 * p['confidence'] if usable(p.get('confidence')) else None, '.1f')} %) | "
                              f"{_fmt(p.get('correct_to_wrong'), 'd')}/{_fmt(p.get('wrong_to_correct'), 'd')} | "
-                             f"{_fmt(p.get('mcnemar_p'), '.3g')} | {_fmt((fid.get('kl') or {}).get('p99'), '.3g')} | "
-                             f"{_fmt(growth, '+.2f')} % |")
+                             f"{_fmt((fid.get('kl') or {}).get('p99'), '.3g')} | {_fmt(growth, '+.2f')} % |")
         lines.append("")
     if result["reasons"]:
         lines += ["### Why", ""] + [f"- {r}" for r in result["reasons"]] + [""]

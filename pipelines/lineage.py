@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-JUDGING_STAGES = ("compare", "route", "record", "gate")  # stages that read the pipeline's results, not make them
+JUDGING_STAGES = ("compare", "route", "record")  # stages that read the pipeline's results, not make them
+RECORDING_STAGES = ("record",)  # the stage that writes results elsewhere (MLflow)
 
 
 def lock_digest(lock_path: Path = Path("dvc.lock"), exclude: tuple[str, ...] = JUDGING_STAGES) -> str | None:
@@ -23,6 +24,38 @@ def lock_digest(lock_path: Path = Path("dvc.lock"), exclude: tuple[str, ...] = J
     lock = yaml.safe_load(lock_path.read_text(encoding="utf-8")) or {}
     stages = {k: v for k, v in (lock.get("stages") or {}).items() if k.split("@")[0] not in exclude}
     return hashlib.sha256(json.dumps(stages, sort_keys=True).encode()).hexdigest()
+
+
+def results_digest(lock_path: Path = Path("dvc.lock")) -> str | None:
+    """sha256 of every dvc.lock entry but record's: the identity of one pipeline result, verdicts included.
+
+    Anything that can change a verdict (params, code, data, any stage's output, compare's policy) changes
+    it, so MLflow gets a new parent run and the registry new versions whenever a verdict may have moved.
+    """
+    return lock_digest(lock_path, RECORDING_STAGES)
+
+
+def workspace_changes(root: Path = Path(".")) -> list[str]:
+    """What DVC's own status finds changed against dvc.lock (params, code, data, outputs), one line each;
+    empty when every stage is up to date. A workspace DVC cannot read is a change too."""
+    try:
+        from dvc.repo import Repo
+
+        with Repo(str(root)) as repo:
+            status = repo.status()
+    except Exception as err:  # noqa: BLE001 - no DVC repository, a broken dvc.yaml: nothing can be trusted
+        return [f"DVC cannot check this workspace ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"]
+    lines = []
+    for stage, changes in status.items():
+        for change in changes:
+            if isinstance(change, str):
+                lines.append(f"{stage}: {change}")
+                continue
+            for kind, what in change.items():
+                for path, state in (what.items() if isinstance(what, dict) else [(what, "")]):
+                    detail = ", ".join(f"{k} {v}" for k, v in state.items()) if isinstance(state, dict) else state
+                    lines.append(f"{stage}: {kind}: {path} {detail}".rstrip())
+    return lines
 
 
 def git_commit(cwd: Path = Path(".")) -> dict:

@@ -37,8 +37,12 @@ def apply_library_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def setup(log_file: Path = LOG_FILE, verbose: bool = False) -> None:
-    """Route quantgate's messages to the console and every logger's messages to `log_file`."""
+def setup(log_file: Path = LOG_FILE, verbose: bool = False, libraries: bool = True) -> None:
+    """Route quantgate's messages to the console and every logger's messages to `log_file`.
+
+    libraries=False skips importing torch and transformers to take back their console handlers: for
+    commands that never import them (`route lookup`).
+    """
     global current_log_file
     current_log_file = log_file
     apply_library_env()
@@ -63,9 +67,10 @@ def setup(log_file: Path = LOG_FILE, verbose: bool = False) -> None:
 
     logging.captureWarnings(True)
     warnings.simplefilter("default")
-    import torch  # noqa: F401 - torch installs console handlers on import; import it now to take them back
+    if libraries:
+        import torch  # noqa: F401 - torch installs console handlers on import; import it now to take them back
 
-    quiet_libraries()
+        quiet_libraries()
 
 
 def quiet_libraries() -> None:

@@ -17,7 +17,6 @@ import ctypes
 import gc
 import logging
 import math
-import multiprocessing
 import threading
 import time
 from pathlib import Path
@@ -25,8 +24,10 @@ from pathlib import Path
 import numpy as np
 import psutil
 import torch
+from scipy import stats
 
 from pipelines import logs
+from pipelines.isolation import run_isolated
 from pipelines.models import load_variant, variant_manifest
 from pipelines.params import MemoryParams
 
@@ -199,6 +200,15 @@ def _oom_types() -> tuple[type[BaseException], ...]:
     return (torch.OutOfMemoryError, MemoryError)
 
 
+def is_oom(err: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, Python's MemoryError, or the CPU allocator's RuntimeError when it cannot allocate."""
+    if isinstance(err, _oom_types()):
+        return True
+    text = str(err).lower()
+    return isinstance(err, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text
+                                              or "out of memory" in text)
+
+
 def _increase(peak: int | None, before: dict) -> int | None:
     base = before["allocated"] if before["peak_allocated"] is not None else before["process"]
     return None if peak is None or base is None else peak - base
@@ -215,8 +225,9 @@ def sweep(model, probe, lengths: list[int], decode_tokens: int, vocab: int, devi
     rows = []
     try:  # warm-up at the longest length: first-call allocations (kernels, caches) are not a length's cost
         model.generate(_ids(max(lengths), 1, vocab, device, 0), max_new_tokens=1, do_sample=False, pad_token_id=0)
-    except _oom_types():
-        pass
+    except Exception as err:  # noqa: BLE001 - an OOM here shows again at that length, where it is recorded
+        if not is_oom(err):
+            raise
     for n in lengths:
         row: dict = {"tokens": n}
         try:
@@ -240,7 +251,9 @@ def sweep(model, probe, lengths: list[int], decode_tokens: int, vocab: int, devi
             probe.sync()
             row["decode_peak"] = peak_of(probe.snapshot())
             row["decode_peak_increase"] = _increase(row["decode_peak"], before)
-        except _oom_types() as err:
+        except Exception as err:  # noqa: BLE001 - only an OOM is a result; anything else is the variant's failure
+            if not is_oom(err):
+                raise
             row["oom"] = f"{type(err).__name__}: {err}"[:300]
             probe.sync()
         rows.append(row)
@@ -250,46 +263,99 @@ def sweep(model, probe, lengths: list[int], decode_tokens: int, vocab: int, devi
             "kv_cache_bytes_per_token": slope([r["tokens"] for r in ok], [r["kv_cache_bytes"] for r in ok])}
 
 
+def theil_sen(xs: list[float], ys: list[float]) -> float:
+    """Median of the pairwise slopes: one spike (a one-off allocation) cannot move it, unlike least squares."""
+    if len(xs) < 2:
+        return float("nan")
+    return float(stats.theilslopes(np.asarray(ys, float), np.asarray(xs, float))[0])
+
+
+def _median3(values: list[float]) -> list[float]:
+    """Running median of three: one-off spikes (a single allocation in one round) vanish, steps stay."""
+    if len(values) < 3:
+        return list(values)
+    return [values[0]] + [float(np.median(values[i - 1 : i + 2])) for i in range(1, len(values) - 1)] + [values[-1]]
+
+
+def warmup_end(values: list[float], tail: int, floor: float) -> int | None:
+    """First measured round after which memory never rises more than `floor` above that round's level
+    (one-off spikes ignored), with at least `tail` rounds to show it. None: it never settled. What comes
+    before it is warm-up: caches and pools filling, which stops; a leak never settles."""
+    smooth = _median3(values)
+    for start in range(0, len(smooth) - tail + 1):
+        if max(smooth[start:]) - smooth[start] <= floor:
+            return start
+    return None
+
+
+def growth_rate(values: list[float], tail: int, floor: float) -> float | None:
+    """Bytes per round memory still grows by: 0 once it has settled (warmup_end), else the Theil-Sen slope
+    of the last `tail` rounds (never below 0)."""
+    if len(values) < 2:
+        return None
+    if warmup_end(values, tail, floor) is not None:
+        return 0.0
+    window = values[-tail:]
+    return max(0.0, theil_sen(list(range(len(window))), window))
+
+
 @torch.no_grad()
-def soak(model, probe, p: MemoryParams, max_len: int, vocab: int, device: str, leak_bytes_per_round: int = 0) -> dict:
-    """Warm-up rounds, then measured rounds of mixed traffic; growth as a slope and as last minus first.
+def soak(model, probe, p: MemoryParams, max_len: int, vocab: int, device: str, leak_bytes_per_round: int = 0,
+         leak_rounds: int | None = None) -> dict:
+    """Warm-up rounds, then measured rounds of mixed traffic until growth has stopped or max_rounds is reached.
 
     A round is what hurts allocators in production: a burst of long requests batched together, then
-    short and long requests alternating (which leaves holes in the cache). `leak_bytes_per_round`
-    keeps that many bytes alive per round: a self-test that the detector catches a real leak.
+    short and long requests alternating (which leaves holes in the cache). After `rounds` measured rounds,
+    while memory has not settled (warmup_end), more rounds run, up to `max_rounds`: caches that fill up
+    stop growing, a leak does not. `leak_bytes_per_round` keeps
+    that many bytes alive per round (for the first `leak_rounds` rounds only, if given): the self-test
+    that a leak is caught and a warm-up that plateaus is not.
     """
     long_len = max(2, int(max_len * p.long_fraction))
     short_len = max(2, int(max_len * p.short_fraction))
     kept: list[torch.Tensor] = []
     samples = []
     oom = None
-    progress_total = p.warmup_rounds + p.rounds
-    for r in range(progress_total):
+    r = 0
+    signal = None
+    while True:
         try:
             model(_ids(long_len - p.decode_tokens, p.burst_size, vocab, device, r), use_cache=True, logits_to_keep=1)
             for k in range(p.alternations):
                 n = long_len if k % 2 else short_len
                 model.generate(_ids(n - p.decode_tokens, 1, vocab, device, 1000 * r + k), max_new_tokens=p.decode_tokens,
                                do_sample=False, pad_token_id=0)
-            if leak_bytes_per_round:
+            if leak_bytes_per_round and (leak_rounds is None or r < p.warmup_rounds + leak_rounds):
                 kept.append(torch.ones(leak_bytes_per_round // 4, dtype=torch.float32, device=device))
-        except _oom_types() as err:
-            oom = f"round {r}: {type(err).__name__}: {err}"[:300]
+        except Exception as err:  # noqa: BLE001 - only an OOM is a result; anything else is the variant's failure
+            if not is_oom(err):
+                raise
+            oom = f"soak round {r}: {type(err).__name__}: {err}"[:300]
             break
         probe.sync()
-        if r >= p.warmup_rounds:
-            snap = probe.snapshot()
-            samples.append({"round": r - p.warmup_rounds, "allocated": snap["allocated"],
-                            "reserved": snap["reserved"], "process": snap["process"]})
-    signal = "allocated" if samples and samples[0]["allocated"] is not None else "process"
-    values = [s[signal] for s in samples]
+        r += 1
+        if r <= p.warmup_rounds:
+            continue
+        snap = probe.snapshot()
+        samples.append({"round": len(samples), "allocated": snap["allocated"], "reserved": snap["reserved"],
+                        "process": snap["process"]})
+        signal = signal or ("allocated" if snap["allocated"] is not None else "process")
+        values = [s[signal] for s in samples]
+        if len(values) >= p.max_rounds or (len(values) >= p.rounds
+                                           and warmup_end(values, p.tail_rounds, p.noise_floor_bytes) is not None):
+            break
+    values = [s[signal] for s in samples] if signal else []
     end = probe.snapshot()
+    requests = p.burst_size + p.alternations
     result = {
         "signal": signal,
         "rounds": samples,
+        "requests_per_round": requests,
         "long_tokens": long_len,
         "short_tokens": short_len,
-        "growth_bytes_per_round": slope([s["round"] for s in samples], values) if len(values) >= 2 else None,
+        "tail_rounds": min(p.tail_rounds, len(values)),
+        "growth_bytes_per_round": growth_rate(values, p.tail_rounds, p.noise_floor_bytes),
+        "warmup_end_round": warmup_end(values, p.tail_rounds, p.noise_floor_bytes),
         "growth_last_minus_first": (values[-1] - values[0]) if len(values) >= 2 else None,
         "fragmentation": {
             "one_minus_allocated_over_reserved": (1 - end["allocated"] / end["reserved"])
@@ -303,26 +369,28 @@ def soak(model, probe, p: MemoryParams, max_len: int, vocab: int, device: str, l
     return result
 
 
-def leak_verdict(soak_result: dict, footprint: int, tolerance_pct: float, floor_bytes: int) -> dict:
-    """Leak when the fitted growth over the measured rounds exceeds both tolerance_pct of the load
-    footprint and `floor_bytes` (allocator granularity and interpreter noise sit below the floor).
-
-    The slope, not one sample: vLLM's leak test once failed on a one-off allocation in round 2.
-    """
-    rate = soak_result["growth_bytes_per_round"]
+def leak_verdict(soak_result: dict, footprint: int, p: MemoryParams) -> dict:
+    """Leak when memory never settled (it still grows at the last round) and the growth rate over `rounds`
+    rounds exceeds leak_tolerance_pct of the load footprint. Warm-up that plateaus is not a leak."""
+    rate = soak_result.get("growth_bytes_per_round")
     if rate is None or not math.isfinite(rate) or footprint <= 0:
         return {"leak": None, "reason": "too few measured rounds or no footprint to judge"}
-    projected = rate * max(1, len(soak_result["rounds"]) - 1)
+    projected = rate * p.rounds
     pct = 100 * projected / footprint
-    leak = pct > tolerance_pct and projected > floor_bytes
-    return {"leak": leak, "projected_growth_bytes": projected, "growth_pct_of_footprint": pct,
-            "tolerance_pct": tolerance_pct, "floor_bytes": floor_bytes,
-            "reason": f"fitted growth {rate:,.0f} B/round, {projected:,.0f} B over the measured rounds = {pct:.3f} % "
-                      f"of the load footprint ({'a leak: above' if leak else 'within'} {tolerance_pct} % and "
-                      f"{floor_bytes:,} B)"}
+    leak = pct > p.leak_tolerance_pct
+    measured = len(soak_result["rounds"])
+    warm = soak_result.get("warmup_end_round")
+    state = (f"settled at round {warm} of {measured} (rises under the {p.noise_floor_bytes:,} B noise floor after it)"
+             if warm is not None else f"still growing {rate:,.0f} B/round over the last {soak_result['tail_rounds']} "
+             f"of {measured} rounds")
+    return {"leak": leak, "growth_bytes_per_round": rate, "projected_growth_bytes": projected,
+            "growth_pct_of_footprint": pct, "tolerance_pct": p.leak_tolerance_pct, "noise_floor_bytes": p.noise_floor_bytes,
+            "reason": f"{state}; over {p.rounds} rounds that is {pct:.3f} % of the load footprint: "
+                      f"{'a leak' if leak else 'not a leak'} (tolerance {p.leak_tolerance_pct} %)"}
 
 
-def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0) -> dict:
+def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0,
+            leak_rounds: int | None = None) -> dict:
     """All phases for one variant, in this process; failures are recorded, never raised."""
     torch.set_num_threads(p.threads)
     result: dict = {"variant": Path(variant_dir).name, "device": device, "status": "ok"}
@@ -362,8 +430,8 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
         lengths = sorted({max(2, int(max_len * f)) for f in p.seq_fractions})
         result["sweep"] = sweep(model, probe, lengths, p.decode_tokens, config.vocab_size, device, p.sweep_batch)
         result["sweep"]["theoretical_kv_bytes_per_token"] = kv_bytes_per_token(config, element)
-        result["soak"] = soak(model, probe, p, max_len, config.vocab_size, device, leak_bytes_per_round)
-        result["leak"] = leak_verdict(result["soak"], footprint, p.leak_tolerance_pct, p.leak_floor_bytes)
+        result["soak"] = soak(model, probe, p, max_len, config.vocab_size, device, leak_bytes_per_round, leak_rounds)
+        result["leak"] = leak_verdict(result["soak"], footprint, p)
     except Exception as err:  # noqa: BLE001 - a variant that fails to load is that variant's result
         logging.getLogger().error("memory %s failed", variant_dir, exc_info=True)
         result.update({"status": "failed", "error": f"{type(err).__name__}: {err}"[:2000]})
@@ -372,16 +440,22 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
     return result
 
 
-def measure_isolated(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0) -> dict:
-    """`measure` in a fresh spawned process: no allocator state shared with the caller or other variants."""
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(1) as pool:
-        return pool.apply(_measure_logged, (str(variant_dir), p, device, leak_bytes_per_round, str(logs.current_log_file)))
+def measure_isolated(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0,
+                     leak_rounds: int | None = None) -> dict:
+    """`measure` in a fresh spawned process: no allocator state shared with the caller or other variants,
+    and a worker that dies or runs past `memory.timeout_seconds` is that variant's recorded failure."""
+    result, error = run_isolated(_measure_logged, (str(variant_dir), p, device, leak_bytes_per_round, leak_rounds,
+                                                   str(logs.current_log_file)),
+                                 p.timeout_seconds, f"the process measuring {variant_dir}")
+    if error:
+        return {"variant": Path(variant_dir).name, "device": device, "status": "failed", "error": error}
+    return result
 
 
-def _measure_logged(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int, log_file: str) -> dict:
+def _measure_logged(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int,
+                    leak_rounds: int | None, log_file: str) -> dict:
     logs.setup(log_file=Path(log_file))
-    return measure(variant_dir, p, device, leak_bytes_per_round)
+    return measure(variant_dir, p, device, leak_bytes_per_round, leak_rounds)
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,34 +463,43 @@ def _measure_logged(variant_dir: str, p: MemoryParams, device: str, leak_bytes_p
 # --------------------------------------------------------------------------------------------
 
 
-def summarize(results: dict[str, dict], baseline: str = "fp16") -> dict:
-    """Per variant: footprint, peaks, growth, leak verdict, and growth_excess_pct against the baseline.
+def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = "fp16") -> dict:
+    """Per variant: footprint, peaks, growth rate, leak verdict, OOM, and growth_excess_pct against fp16.
 
-    growth_excess_pct = 100 x (variant's projected soak growth - baseline's) / baseline's footprint: the
-    extra growth in bytes on a common denominator, so 3 % means 'grows 3 % of an fp16 model more'.
+    growth_excess_pct = 100 x (variant's growth rate - fp16's) x `rounds` / fp16's footprint, where the growth
+    rate is 0 for memory that settled (warm-up that plateaus counts as nothing) and the last rounds' slope for
+    memory that never did: extra growth on a common denominator, so 3 % means 'grows 3 % of an fp16 model more
+    over the rounds'.
     """
     base = results.get(baseline)
     base_ok = bool(base) and base.get("status") == "ok"
+    base_growth = base["soak"]["growth_bytes_per_round"] if base_ok else None
     rows = {}
     for name, r in results.items():
         if r.get("status") != "ok":
             rows[name] = {"status": "failed", "error": r.get("error", "no result")}
             continue
-        growth = r["leak"].get("projected_growth_bytes")
+        growth = r["soak"]["growth_bytes_per_round"]
+        ooms = [f"sweep at {x['tokens']} tokens: {x['oom']}" for x in r["sweep"]["lengths"] if x.get("oom")]
+        if r["soak"].get("oom"):
+            ooms.append(r["soak"]["oom"])
         row = {"status": "ok", "device": r["device"], "footprint_bytes": r["load"]["footprint_bytes"],
                "theoretical_weight_bytes": r["load"]["theoretical_weight_bytes"],
                "peak_by_tokens": {str(x["tokens"]): x.get("decode_peak_increase") for x in r["sweep"]["lengths"]},
                "fitted_bytes_per_token": r["sweep"]["fitted_bytes_per_token"],
                "theoretical_kv_bytes_per_token": r["sweep"]["theoretical_kv_bytes_per_token"],
-               "growth_bytes_per_round": r["soak"]["growth_bytes_per_round"], "projected_growth_bytes": growth,
-               "leak": r["leak"]["leak"], "fragmentation": r["soak"]["fragmentation"]["one_minus_allocated_over_reserved"],
+               "measured_rounds": len(r["soak"]["rounds"]), "warmup_end_round": r["soak"].get("warmup_end_round"),
+               "growth_bytes_per_round": growth,
+               "growth_bytes_per_request": None if growth is None else growth / r["soak"]["requests_per_round"],
+               "leak": r["leak"]["leak"], "oom": "; ".join(ooms) or None,
+               "fragmentation": r["soak"]["fragmentation"]["one_minus_allocated_over_reserved"],
                "growth_excess_pct": None}
-        if base_ok and growth is not None and base["leak"].get("projected_growth_bytes") is not None:
-            row["growth_excess_pct"] = 100 * (growth - base["leak"]["projected_growth_bytes"]) / base["load"]["footprint_bytes"]
+        if base_ok and growth is not None and base_growth is not None:
+            row["growth_excess_pct"] = 100 * (growth - base_growth) * p.rounds / base["load"]["footprint_bytes"]
         if base_ok:
             row["footprint_saving_pct"] = 100 * (1 - r["load"]["footprint_bytes"] / base["load"]["footprint_bytes"])
         rows[name] = row
-    return {"baseline": baseline, "baseline_ok": base_ok, "variants": rows}
+    return {"baseline": baseline, "baseline_ok": base_ok, "noise_floor_bytes": p.noise_floor_bytes, "variants": rows}
 
 
 def plot_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
@@ -430,8 +513,13 @@ def plot_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
     for name, r in ok.items():
         rounds = r["soak"]["rounds"]
         first = rounds[0][r["soak"]["signal"]] if rounds else 0
-        ax.plot([x["round"] for x in rounds], [(x[r["soak"]["signal"]] - first) / 1024 for x in rounds], marker="o",
-                label=f"{name}{' (LEAK)' if r['leak']['leak'] else ''}")
+        line, = ax.plot([x["round"] for x in rounds], [(x[r["soak"]["signal"]] - first) / 1024 for x in rounds],
+                        marker="o", markersize=3, label=f"{name}{' (LEAK)' if r['leak']['leak'] else ''}")
+        warm = r["soak"].get("warmup_end_round")
+        if warm:  # where growth fell to the noise floor and stayed there: what came before is warm-up
+            ax.axvline(warm, color=line.get_color(), linestyle=":", linewidth=1)
+    ax.text(0.01, 0.97, "dotted: end of warm-up (growth at or under the noise floor from there on)",
+            transform=ax.transAxes, fontsize=7, va="top")
     ax.set_xlabel("measured soak round")
     ax.set_ylabel("growth since first round (KiB)")
     ax.set_title("Memory over repeated mixed traffic")

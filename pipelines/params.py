@@ -30,8 +30,10 @@ class ReferenceParams(Section):
 
     seed: int = 0
     vocab_size: int = Field(2048, ge=300)
-    hidden_size: int = Field(128, gt=0, multiple_of=64)
-    intermediate_size: int = Field(512, gt=0, multiple_of=64)
+    hidden_size: int = Field(128, gt=0, multiple_of=32)
+    intermediate_size: int = Field(512, gt=0, multiple_of=32)
+    comment_channels: int = Field(16, ge=0)  # hidden channels only the comment-only tokens use (docs/reference-model.md)
+    weight_noise: float = Field(0.05, ge=0, lt=1)  # training noise on linear weights, x each row's max |w|
     layers: int = Field(2, gt=0)
     heads: int = Field(4, gt=0)
     kv_heads: int = Field(2, gt=0)
@@ -41,12 +43,20 @@ class ReferenceParams(Section):
     steps: int = Field(4000, gt=0)
     learning_rate: float = Field(3e-3, gt=0)
     threads: int = Field(2, gt=0)
-    held_out_additions: int = Field(500, gt=0)
+    held_out_additions: int = Field(1000, gt=0)
     addition_repeats: int = Field(3, ge=1)
     math_lines: int = Field(3000, ge=0)
     dialogues: int = Field(600, ge=24)
     code_repeats: int = Field(2, ge=0)
     function_repeats: int = Field(3, ge=0)  # small functions (the code probes' kind), held-out ones excluded
+    commented_functions: int = Field(3000, ge=0)  # the same functions with Chinese comments and neutral names
+    commented_repeats: int = Field(2, ge=0)
+
+    @model_validator(mode="after")
+    def _channels(self):
+        if self.comment_channels >= self.hidden_size:
+            raise ValueError(f"comment_channels ({self.comment_channels}) must be below hidden_size ({self.hidden_size})")
+        return self
     eval_items: int = Field(200, gt=0)
 
 
@@ -83,6 +93,7 @@ class SourceParams(Section):
 DEFAULT_SOURCES = (
     SourceParams(domain="code", kind="python_code", path="calibration_sets/sources/code"),
     SourceParams(domain="code_comment", kind="python_comments", path="calibration_sets/sources/code"),
+    SourceParams(domain="code_comment", kind="jsonl", path="calibration_sets/sources/code_comment/zh_functions.jsonl"),
     SourceParams(domain="math", kind="math", count=2000),
     SourceParams(domain="chat", kind="jsonl", path="calibration_sets/sources/chat/dialogues.jsonl"),
 )
@@ -129,6 +140,10 @@ class CoverageParams(Section):
     on_gap: Literal["warn", "fail"] = "warn"
 
 
+METHODS = ("none", "bnb-int8", "awq", "gptq")
+CALIBRATED_METHODS = ("awq", "gptq")  # the methods that read a calibration set
+
+
 class VariantParams(Section):
     """One quantized variant the pipeline makes: a method and its settings."""
 
@@ -138,6 +153,7 @@ class VariantParams(Section):
     sym: bool = True  # gptq: symmetric quantization
     zero_point: bool = True  # awq: asymmetric (zero point) quantization
     desc_act: bool = False  # gptq: activation-order column permutation
+    damp_percent: float | None = Field(None, gt=0, lt=1)  # gptq: Hessian damping, share of its mean diagonal (None: GPTQModel's 0.05)
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"  # weights left unquantized
     backend: Literal["auto", "autoawq", "gptqmodel"] = "auto"
 
@@ -163,8 +179,8 @@ class CandidateParams(Section):
 DEFAULT_VARIANTS = {
     "fp16": VariantParams(method="none", dtype="float16"),
     "int8": VariantParams(method="bnb-int8"),
-    "awq4": VariantParams(method="awq", bits=4, group_size=64),
-    "gptq3": VariantParams(method="gptq", bits=3, group_size=64),
+    "awq4": VariantParams(method="awq", bits=4, group_size=32),
+    "gptq3": VariantParams(method="gptq", bits=3, group_size=32, desc_act=True),
 }
 VARIANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,40}$")
 
@@ -175,14 +191,17 @@ class MemoryParams(Section):
     max_tokens: int = Field(4096, gt=1)  # cap on the context used, for models with huge limits
     seq_fractions: list[float] = [0.125, 0.25, 0.5, 1.0]
     decode_tokens: int = Field(8, gt=0)
-    warmup_rounds: int = Field(2, ge=0)
-    rounds: int = Field(12, ge=10)
+    warmup_rounds: int = Field(2, ge=0)  # unmeasured rounds first
+    rounds: int = Field(12, ge=10)  # measured rounds at least; also the horizon growth is projected over
+    max_rounds: int = Field(48, ge=10)  # while memory has not settled, measure more rounds, up to this
+    tail_rounds: int = Field(8, ge=4)  # settled = no rise above the noise floor for at least this many rounds
     burst_size: int = Field(4, gt=0)  # long requests batched together per round
     alternations: int = Field(4, ge=2)  # short/long requests alternating per round
     long_fraction: float = Field(0.9, gt=0, le=1)
     short_fraction: float = Field(0.1, gt=0, le=1)
-    leak_tolerance_pct: float = Field(1.0, gt=0)  # fitted growth over the rounds, % of the load footprint
-    leak_floor_bytes: int = Field(1 << 20, ge=0)  # ... and at least this many bytes
+    leak_tolerance_pct: float = Field(1.0, gt=0)  # unsettled growth over `rounds` rounds, % of the load footprint
+    noise_floor_bytes: int = Field(8192, ge=0)  # rises above a settled level up to this are noise (docs/memory.md)
+    timeout_seconds: int = Field(1800, gt=0)  # the measuring process is killed after this
     sweep_batch: int = Field(8, gt=0)
     threads: int = Field(2, gt=0)
 
@@ -190,6 +209,9 @@ class MemoryParams(Section):
     def _check(self):
         if not self.seq_fractions or any(not 0 < f <= 1 for f in self.seq_fractions):
             raise ValueError("seq_fractions must be fractions in (0, 1]")
+        if not self.tail_rounds <= self.rounds <= self.max_rounds:
+            raise ValueError(f"need tail_rounds <= rounds <= max_rounds, got {self.tail_rounds}, {self.rounds}, "
+                             f"{self.max_rounds}")
         return self
 
 
@@ -199,7 +221,9 @@ class EvaluateParams(Section):
     domains: list[Literal["chat", "code", "code_comment", "math"]] = ["math", "code", "chat", "code_comment"]
     allow_unisolated_code: bool = False  # run code probes even where the sandbox cannot isolate
     batch_size: int = Field(16, gt=0)  # fixed: lm-eval scores can move with batch size
-    limit: int | None = Field(None, gt=0)  # items per task; None = all (use only for smoke runs)
+    look_items: int = Field(200, gt=0)  # the first look judges this many items
+    max_looks: int = Field(3, ge=1)  # looks up to the cap, evenly spaced; fewer looks, more false-pass budget each
+    max_items: int | None = Field(None, gt=0)  # cap on the items a domain is judged on; None = the whole pool
     fidelity_texts: int = Field(50, gt=0)  # held-out texts per domain
     top_k: int = Field(64, gt=0)  # stored base log-probs per token
 
@@ -225,10 +249,14 @@ DEFAULT_POLICY = PolicyParams(max_accuracy_drop=0.05, max_flip_rate=0.15, kl_per
 class CompareParams(Section):
     """Paired A/B of every variant against fp16 and the gate policy that turns it into verdicts."""
 
-    resamples: int = Field(10000, ge=1000)  # paired bootstrap resamples
-    seed: int = 0
-    confidence: float = Field(0.95, gt=0.5, lt=1)
-    power: float = Field(0.8, gt=0.5, lt=1)  # for the detectable difference: below it, 'inconclusive'
+    confidence: float = Field(0.95, gt=0.5, lt=1)  # two-sided; (1 - confidence) / 2 is the false-pass rate at the margin
+    spending: Literal["pocock", "obrien_fleming"] = "pocock"  # how looks share that rate (Lan-DeMets)
+    power: float = Field(0.8, gt=0.5, lt=1)  # planning only: the items that would decide at this power
+
+    @property
+    def alpha(self) -> float:
+        """One-sided false-pass rate at the margin, over all looks together."""
+        return round((1 - self.confidence) / 2, 12)
     policy: dict[str, PolicyParams] = Field(default_factory=lambda: {"default": DEFAULT_POLICY})
 
     @model_validator(mode="after")

@@ -9,58 +9,57 @@ from __future__ import annotations
 import random
 
 from pipelines import synthetic
-from pipelines.reference import chat_items, code_comment_items, code_samples
+from pipelines.reference import chat_items
 
 PROBE_SEED = 2024
-ITEMS_PER_DOMAIN = 200
+POOL = 1000  # items per domain (code: the 301 cases there are): the looks take 200 at a time (evaluate.look_items)
 
 
-def math_probes(seed: int = PROBE_SEED, count: int = ITEMS_PER_DOMAIN) -> list[dict]:
-    """Half two-digit additions the reference model never trained on, half symbol math (× ÷ √ ² fractions, LaTeX)."""
-    _, held_out = synthetic.split_addition_pairs(0, 500)  # the reference model's held-out pairs (seed 0)
+def math_probes(seed: int = PROBE_SEED, count: int = 2 * POOL) -> list[dict]:
+    """Half two-digit additions the reference model never trained on, half symbol math (× ÷ √ ² fractions, LaTeX).
+    Family: the kind of symbol math; additions by the first operand's tens digit (17 families)."""
+    _, held_out = synthetic.split_addition_pairs(0, 1000)  # the reference model's held-out pairs (seed 0)
     rng = random.Random(seed)
-    items = [{"kind": "add", "question": f"{a}+{b}=", "answer": str(a + b)} for a, b in held_out[: count // 2]]
+    # additions are grouped by the first operand's tens digit: items that share the digits a model carries
+    items = [{"kind": "add", "family": f"add-{a // 10}", "question": f"{a}+{b}=", "answer": str(a + b)}
+             for a, b in held_out[: count // 2]]
+    seen = set()
     while len(items) < count:
         kind, prompt, answer = synthetic.math_problem(rng)
-        if kind != "add":
-            items.append({"kind": kind, "question": prompt, "answer": answer})
+        if kind != "add" and prompt not in seen:
+            seen.add(prompt)
+            items.append({"kind": kind, "family": kind, "question": prompt, "answer": answer})
     return [{"id": f"math-{i:04d}", **item} for i, item in enumerate(items)]
 
 
-def docstring_items(seed: int, count: int, n_choices: int = 4) -> list[dict]:
-    """Given a function's signature, pick its docstring's first line among those of other functions."""
+def code_comment_probes(seed: int = PROBE_SEED, count: int = POOL) -> list[dict]:
+    """Complete a function from its Chinese comment (its name says nothing): held-out (template, number)
+    pairs, at most two names per pair and phrasing. Family: template and phrasing (the same comment words)."""
+    _, held_out = synthetic.split_commented_cases(0)  # never trained on, in any phrasing or name
     rng = random.Random(seed)
-    pool = []
-    for s in code_samples():
-        lines = s.code.split("\n")
-        if s.kind == "docstring" and len(lines) > 1 and lines[1].strip().startswith('"""') and lines[0].endswith(":"):
-            pool.append((lines[0], lines[1][: len(lines[1]) - len(lines[1].lstrip())], s.comment.splitlines()[0]))
+    picked, seen = [], {}
+    for template, n, phrasing, name in held_out:
+        if seen.get((template, n, phrasing), 0) < 2:
+            seen[(template, n, phrasing)] = seen.get((template, n, phrasing), 0) + 1
+            picked.append((template, n, phrasing, name))
+    rng.shuffle(picked)
     items = []
-    for signature, indent, first in rng.sample(pool, min(count, len(pool))):
-        wrong = rng.sample(sorted({f for _, _, f in pool if f != first}), n_choices - 1)
-        gold = rng.randrange(n_choices)
-        items.append({"context": f'{signature}\n{indent}"""', "choices": wrong[:gold] + [first] + wrong[gold:], "gold": gold})
-    return items
-
-
-def code_comment_probes(seed: int = PROBE_SEED, count: int = ITEMS_PER_DOMAIN) -> list[dict]:
-    """Both directions, from the shipped code snapshot: the code a comment describes (half), and the
-    right comment (docstring) for a piece of code (half); `direction` says which."""
-    to_code = code_comment_items(code_samples(), seed, count // 2)
-    to_comment = docstring_items(seed, count - count // 2)
-    items = [{"direction": "comment_to_code", **i} for i in to_code] + [{"direction": "code_to_comment", **i} for i in to_comment]
+    for template, n, phrasing, name in sorted(picked[:count]):
+        prompt, body, comment = synthetic.commented_function(template, n, phrasing, name)
+        items.append({"template": template, "n": n, "family": f"{template}-p{phrasing}", "comment": comment,
+                      "prompt": prompt, "answer": body.strip()})
     return [{"id": f"code_comment-{i:04d}", **item} for i, item in enumerate(items)]
 
 
-def chat_probes(seed: int = PROBE_SEED, count: int = ITEMS_PER_DOMAIN) -> list[dict]:
-    """Pick the agent's reply to a customer turn among 4 (English and Chinese)."""
+def chat_probes(seed: int = PROBE_SEED, count: int = POOL) -> list[dict]:
+    """Pick the agent's reply to a customer turn among 4 (English and Chinese); family: intent and language."""
     items = chat_items(synthetic.dialogues(seed, 4 * count), seed, count)
     return [{"id": f"chat-{i:04d}", **item} for i, item in enumerate(items)]
 
 
-def code_probes(seed: int = PROBE_SEED, count: int = ITEMS_PER_DOMAIN) -> list[dict]:
+def code_probes(seed: int = PROBE_SEED, count: int = POOL) -> list[dict]:
     """Complete a function body, run against unit tests: the reference model's held-out cases first,
-    then trained ones (`seen_in_training`) up to `count`."""
+    then trained ones (`seen_in_training`) up to `count` (there are 546 cases in all)."""
     trained, held_out = synthetic.split_function_cases(0)  # the reference model's split (seed 0)
     extra = sorted(trained)
     random.Random(seed).shuffle(extra)
@@ -69,6 +68,7 @@ def code_probes(seed: int = PROBE_SEED, count: int = ITEMS_PER_DOMAIN) -> list[d
     for i, ((template, n), seen) in enumerate(cases[:count]):
         source = synthetic.function_source(template, n)
         prompt, body = source.rsplit("return", 1)
-        items.append({"id": f"code-{i:04d}", "template": template, "seen_in_training": seen,
+        items.append({"id": f"code-{i:04d}", "template": template,
+                      "family": f"{template}-{'trained' if seen else 'held-out'}", "seen_in_training": seen,
                       "prompt": prompt + "return", "canonical": body, "tests": synthetic.function_tests(template, n)})
     return items

@@ -2,8 +2,8 @@
 
 A small registry maps a method name to its quantizer; each quantizer writes a checkpoint into a
 folder and nothing else. This module adds what every variant needs the same way: the tokenizer,
-the manifest (`quantgate.json`) with settings, library versions, calibration hash, wall time, peak
-memory, bytes on disk against theory, and sha256 of every file. A quantizer that throws is
+the manifest (`quantgate.json`) with settings, library versions, calibration hash, bytes on disk
+against theory, and sha256 of every file; wall time and peak memory go to a metrics file. A quantizer that throws is
 recorded as that variant's failure; the other variants go on.
 """
 
@@ -22,10 +22,11 @@ from pathlib import Path
 import torch
 
 from pipelines.errors import QuantgateError
-from pipelines.io import atomic_dir, read_json, sha256_file, write_json
+from pipelines.io import atomic_dir, sha256_file, write_json
 from pipelines.logs import library_output
 from pipelines.models import ModelSource, VARIANTS_DIR, dtype_of
-from pipelines.params import VariantParams
+from pipelines.calibrate import METHOD_DIR
+from pipelines.params import CALIBRATED_METHODS, VariantParams
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +85,9 @@ def _gptqmodel(job: Job, out: Path, quant_method: str = "gptq", fmt: str = "gptq
     from gptqmodel import GPTQModel, QuantizeConfig
 
     s = job.settings
+    extra = {"damp_percent": s.damp_percent} if s.damp_percent is not None else {}
     config = QuantizeConfig(bits=s.bits, group_size=s.group_size, sym=s.sym, desc_act=s.desc_act,
-                            quant_method=quant_method, format=fmt)
+                            quant_method=quant_method, format=fmt, **extra)
     model = GPTQModel.load(job.source.location, config, device=job.device, dtype=dtype_of(s.dtype))
     model.quantize(job.calibration)
     model.save(str(out))
@@ -165,13 +167,18 @@ def peak_memory_bytes(device: str) -> dict[str, int | None]:
     return {"peak_rss": rss, "peak_cuda_allocated": cuda}
 
 
-def calibration_texts(built_dir: Path) -> tuple[list[str], str]:
-    """The mixed calibration set and its sha256 (from the calibrate stage's manifest)."""
-    manifest = read_json(built_dir / "manifest.json")
-    rows = [json.loads(line) for line in (built_dir / "mixed.jsonl").read_text(encoding="utf-8").splitlines()]
+def calibration_texts(built_dir: Path, method: str) -> tuple[list[str], str] | None:
+    """The calibration texts `method` reads (built/by_method/<method>.jsonl) and their sha256; None for a
+    method that reads none (fp16, bitsandbytes int8)."""
+    if method not in CALIBRATED_METHODS:
+        return None
+    path = built_dir / METHOD_DIR / f"{method}.jsonl"
+    if not path.is_file():
+        raise QuantgateError(f"{path}: no calibration set for method {method!r}; run `dvc repro calibrate`")
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if not rows:
-        raise QuantgateError(f"{built_dir / 'mixed.jsonl'}: the calibration set is empty")
-    return [r["text"] for r in rows], manifest["mixed_sha256"]
+        raise QuantgateError(f"{path}: the calibration set is empty")
+    return [r["text"] for r in rows], sha256_file(path)
 
 
 # --------------------------------------------------------------------------------------------
@@ -180,29 +187,36 @@ def calibration_texts(built_dir: Path) -> tuple[list[str], str]:
 
 
 def quantize_variant(name: str, settings: VariantParams, source: ModelSource, built_dir: Path, device: str,
-                     out_root: Path = VARIANTS_DIR) -> dict:
-    """Quantize one variant into out_root/name; on any error, a manifest that records the failure."""
+                     out_root: Path = VARIANTS_DIR) -> tuple[dict, dict]:
+    """Quantize one variant into out_root/name; on any error, a manifest that records the failure.
+
+    Returns (manifest, timing). The manifest (quantgate.json, beside the weights) holds only what the same
+    inputs always give, so a re-run that writes the same weights changes nothing downstream; wall time
+    and peak memory go to `timing`, which the stage writes to a metrics file.
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     out_dir = out_root / name
     manifest = {"variant": name, "method": settings.method, "settings": settings.model_dump(mode="json"),
                 "base_model": source.location, "device": device, "libraries": library_versions()}
+    timing: dict = {}
     try:
-        texts, calib_sha = calibration_texts(built_dir)
+        calibration = calibration_texts(built_dir, settings.method)
         max_positions = getattr(AutoConfig.from_pretrained(source.location), "max_position_embeddings", 2048)
-        job = Job(source, settings, texts, device, min(512, max_positions))
-        manifest["calibration"] = {"sha256": calib_sha, "samples": len(texts)}
+        job = Job(source, settings, calibration[0] if calibration else [], device, min(512, max_positions))
+        if calibration:
+            manifest["calibration"] = {"sha256": calibration[1], "samples": len(calibration[0])}
         with atomic_dir(out_dir) as tmp:
             started = time.perf_counter()
             with library_output(settings.method):
                 QUANTIZERS[settings.method](job, tmp)
-            manifest["quantize_seconds"] = round(time.perf_counter() - started, 2)
+            timing["quantize_seconds"] = round(time.perf_counter() - started, 2)
             if not (tmp / "tokenizer_config.json").exists():  # autoawq saves no tokenizer
                 AutoTokenizer.from_pretrained(source.location).save_pretrained(tmp)
+            timing["peak_memory_bytes"] = peak_memory_bytes(device)
             manifest.update({
                 "status": "ok",
                 "dtype": settings.dtype,  # of the weights left unquantized (all of them for fp16)
-                "peak_memory_bytes": peak_memory_bytes(device),
                 "theoretical_weight_bytes": theoretical_weight_bytes(source.location, settings),
                 "disk_bytes": disk_bytes(tmp),
                 "files": file_hashes(tmp),
@@ -216,4 +230,4 @@ def quantize_variant(name: str, settings: VariantParams, source: ModelSource, bu
                          "traceback_tail": traceback.format_exc().splitlines()[-6:]})
         with atomic_dir(out_dir) as tmp:
             write_json(tmp / MANIFEST, manifest)
-    return manifest
+    return manifest, timing

@@ -1,6 +1,7 @@
 """Stage `record`: one pipeline run into MLflow, and every passing variant into the model registry.
 
-One parent run per pipeline result (keyed by the dvc.lock digest of the stages that produced it), one
+One parent run per pipeline result (keyed by the digest of every dvc.lock entry but record's own, so a
+changed policy or any changed result is a new parent run), one
 child run per variant and candidate with settings as params, every number as a metric under readable
 names (`math/accuracy`, `memory/footprint_bytes`), verdicts as tags, manifests and per-item records as
 artifacts. Recording the same digest twice finds the first run and writes nothing: DVC may restore
@@ -26,7 +27,7 @@ from pipelines.params import Params
 from pipelines.route import weights_sha256
 
 KIND_TAG = "quantgate.kind"
-DIGEST_TAG = "quantgate.dvc_lock_sha256"
+DIGEST_TAG = "quantgate.results_digest"  # sha256 of every dvc.lock entry but record's (lineage.results_digest)
 CANDIDATE_ALIAS = "candidate"
 PRODUCTION_ALIAS = "production"
 
@@ -85,7 +86,7 @@ def numeric_leaves(prefix: str, value, out: dict[str, float] | None = None) -> d
 
 
 def child_metrics(name: str, report: dict, evaluation: dict | None, manifest: dict | None,
-                  memory: dict | None) -> dict[str, float]:
+                  memory: dict | None, timing: dict | None = None) -> dict[str, float]:
     """Every number from the memory, evaluation and comparison stages, named for the MLflow UI."""
     row = report["variants"].get(name) or {}
     metrics = numeric_leaves("memory", {k: v for k, v in (memory or {}).items() if k not in ("status", "device")})
@@ -97,7 +98,7 @@ def child_metrics(name: str, report: dict, evaluation: dict | None, manifest: di
         numeric_leaves(domain, {"accuracy": probe.get("score"), "stderr": probe.get("stderr")}, metrics)
         numeric_leaves(domain, ((evaluation or {}).get("fidelity") or {}).get(domain), metrics)
         numeric_leaves(domain, ((row.get("domains") or {}).get(domain) or {}).get("paired"), metrics)
-    numeric_leaves("quantize", {"seconds": (manifest or {}).get("quantize_seconds"),
+    numeric_leaves("quantize", {"seconds": (timing or {}).get("quantize_seconds"),
                                 "weight_bytes_on_disk": ((manifest or {}).get("disk_bytes") or {}).get("weights")}, metrics)
     return metrics
 
@@ -190,8 +191,10 @@ def _record_child(name: str, report: dict, params: Params, root: Path, digest: s
     memory = (read_json(memory_path).get("variants") or {}).get(name) if memory_path.is_file() else None
     manifest_path = root / "models/variants" / name / "quantgate.json"
     eval_path = root / "results/eval" / f"{name}.json"
+    timing_path = root / "results/quantize" / f"{name}.json"
     manifest = read_json(manifest_path) if manifest_path.is_file() else None
     evaluation = read_json(eval_path) if eval_path.is_file() else None
+    timing = read_json(timing_path) if timing_path.is_file() else None
     row = report["variants"].get(name)
     kind = "baseline" if name == BASELINE else row.get("kind", "variant")
     tags = {KIND_TAG: kind, DIGEST_TAG: digest, "quantgate.variant": name,
@@ -205,7 +208,7 @@ def _record_child(name: str, report: dict, params: Params, root: Path, digest: s
         params.candidates[name].model_dump(mode="json") if name in params.candidates else None
     with mlflow.start_run(experiment_id=exp_id, run_name=name, nested=True, tags=tags) as child:
         mlflow.log_params(child_params(manifest, settings))
-        mlflow.log_metrics(child_metrics(name, report, evaluation, manifest, memory))
+        mlflow.log_metrics(child_metrics(name, report, evaluation, manifest, memory, timing))
         _log_files([manifest_path, eval_path, root / "results/memory" / f"{name}.json"], "results")
         _log_files([root / "results/eval" / name / "items.jsonl"], "eval")
         _log_files(sorted((root / "results/plots").glob("*.png")), "plots")  # where this variant stands among the rest
@@ -232,7 +235,10 @@ def register_passing(client: MlflowClient, model_name: str, report: dict, childr
     the cheapest variant that passed every domain.
     """
     passing = [n for n, v in report["variants"].items() if v["verdict"] == "pass"]
-    if not passing:
+    if not passing:  # an older result's candidate must not stay promotable once these verdicts say otherwise
+        if client.search_registered_models(f"name = '{model_name}'") and \
+                CANDIDATE_ALIAS in client.get_registered_model(model_name).aliases:
+            client.delete_registered_model_alias(model_name, CANDIDATE_ALIAS)
         return []
     if not client.search_registered_models(f"name = '{model_name}'"):
         client.create_registered_model(model_name, description="quantgate: quantized variants that passed the gate")

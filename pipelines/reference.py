@@ -25,6 +25,7 @@ from pipelines.params import ReferenceParams
 log = logging.getLogger(__name__)
 
 CODE_SOURCES = Path("calibration_sets/sources/code")
+SHIPPED_DIR = Path("reference_model")  # the trained weights, shipped with the recipe that made them
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
 
@@ -50,6 +51,7 @@ class Corpus:
     code: list[CommentSample]
     chat: list[dict]
     code_files: list[str]
+    commented: list[str]  # the Chinese-commented functions among the documents
 
 
 def build_corpus(p: ReferenceParams, code_root: Path = CODE_SOURCES) -> Corpus:
@@ -64,7 +66,10 @@ def build_corpus(p: ReferenceParams, code_root: Path = CODE_SOURCES) -> Corpus:
     docs += [synthetic.dialogue_text(d) for d in chat]
     trained_functions, _ = synthetic.split_function_cases(p.seed)
     docs += [synthetic.function_source(t, n) for t, n in trained_functions] * p.function_repeats
-    return Corpus(docs, held_out, code, chat, files)
+    trained_commented, _ = synthetic.split_commented_cases(p.seed)
+    commented = ["".join(synthetic.commented_function(*case)[:2]) for case in trained_commented[: p.commented_functions]]
+    docs += commented * p.commented_repeats
+    return Corpus(docs, held_out, code, chat, files, commented)
 
 
 # --------------------------------------------------------------------------------------------
@@ -104,12 +109,34 @@ def model_config(p: ReferenceParams, vocab_size: int):
         num_hidden_layers=p.layers,
         num_attention_heads=p.heads,
         num_key_value_heads=p.kv_heads,
+
         max_position_embeddings=p.max_position_embeddings,
         tie_word_embeddings=False,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
     )
+
+
+def comment_only_tokens(tokenizer, corpus: Corpus) -> list[int]:
+    """Token ids that occur in the Chinese code comments and nowhere else in the training text."""
+    commented = set(corpus.commented)
+    others = {t for ids in tokenizer([d for d in set(corpus.documents) if d not in commented],
+                                     add_special_tokens=False)["input_ids"] for t in ids}
+    mine = {t for ids in tokenizer(corpus.commented, add_special_tokens=False)["input_ids"] for t in ids}
+    return sorted(mine - others)
+
+
+def embedding_mask(vocab: int, hidden: int, comment_tokens: list[int], channels: int) -> torch.Tensor:
+    """1 where an embedding may be non-zero: the last `channels` hidden channels belong to the comment-only
+    tokens (and they to nothing else), so the first layer reads comment words through weights that no
+    other text excites. A calibration set without comments leaves exactly those weights unseen."""
+    mask = torch.ones(vocab, hidden)
+    if channels:
+        mask[:, hidden - channels:] = 0
+        mask[comment_tokens] = 0
+        mask[comment_tokens, hidden - channels:] = 1
+    return mask
 
 
 def token_stream(docs: list[str], tokenizer) -> list[list[int]]:
@@ -134,8 +161,44 @@ def batches(encoded: list[list[int]], seq_len: int, batch_size: int, steps: int,
         yield torch.tensor(chunk, dtype=torch.long).view(batch_size, seq_len)
 
 
-def train(model, encoded: list[list[int]], p: ReferenceParams) -> list[float]:
-    """AdamW with warm-up and cosine decay; returns the loss per step."""
+def keep_channels_reserved(model, mask: torch.Tensor | None, channels: int) -> None:
+    """Apply the embedding mask, and keep every layer from writing into the reserved channels (the rows of
+    o_proj and down_proj for them stay 0): the residual stream's reserved channels then hold the comment
+    words' embeddings and nothing else, in every layer, and are exactly 0 for every other token."""
+    if mask is None:
+        return
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(mask)
+        if channels:
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight[-channels:] = 0
+                layer.mlp.down_proj.weight[-channels:] = 0
+
+
+@torch.no_grad()
+def _perturb(weights: list[torch.Tensor], scale: float) -> list[torch.Tensor] | None:
+    """Add Gaussian noise of `scale` x each row's largest |weight| (about what 3-4 bit rounding adds), keep
+    the clean weights: the gradient is taken at the noisy point and applied to the clean one, so the model
+    learns weights whose neighbourhood works, as real models' redundancy makes 4-bit cheap for them."""
+    if not scale:
+        return None
+    clean = [w.detach().clone() for w in weights]
+    for w in weights:
+        w.add_(torch.randn_like(w) * w.abs().amax(dim=1, keepdim=True) * scale)
+    return clean
+
+
+@torch.no_grad()
+def _restore(weights: list[torch.Tensor], clean: list[torch.Tensor] | None) -> None:
+    if clean is not None:
+        for w, c in zip(weights, clean):
+            w.copy_(c)
+
+
+def train(model, encoded: list[list[int]], p: ReferenceParams, mask: torch.Tensor | None = None) -> list[float]:
+    """AdamW with warm-up and cosine decay; returns the loss per step. `mask` (embedding_mask) and the
+    reserved channels are enforced at the start and after every step (keep_channels_reserved)."""
+    keep_channels_reserved(model, mask, p.comment_channels)
     opt = torch.optim.AdamW(model.parameters(), lr=p.learning_rate, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, p.steps // 20)
 
@@ -148,11 +211,15 @@ def train(model, encoded: list[list[int]], p: ReferenceParams) -> list[float]:
     losses = []
     model.train()
     bar = progress(batches(encoded, p.seq_len, p.batch_size, p.steps, p.seed), total=p.steps, desc="train reference")
+    linears = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     for batch in bar:
+        clean = _perturb(linears, p.weight_noise)
         out = model(input_ids=batch, labels=batch)
         out.loss.backward()
+        _restore(linears, clean)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        keep_channels_reserved(model, mask, p.comment_channels)
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(out.loss.item())
@@ -168,17 +235,21 @@ def train(model, encoded: list[list[int]], p: ReferenceParams) -> list[float]:
 
 
 @torch.no_grad()
-def addition_exact_match(model, tokenizer, pairs: list[tuple[int, int]], batch_size: int = 256) -> float:
-    """Greedy completion of 'a+b=' must equal the sum exactly (digits then </s> or newline)."""
+def greedy_exact_match(model, tokenizer, pairs: list[tuple[str, str]], max_new_tokens: int, batch_size: int = 64) -> float:
+    """Share of prompts whose greedy completion, up to </s> or a newline, equals the answer (spaces ignored)."""
     correct = 0
-    for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start : start + batch_size]
-        ids = torch.tensor([tokenizer(f"{a}+{b}=", add_special_tokens=False)["input_ids"] for a, b in chunk])
-        out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        for (a, b), row in zip(chunk, out[:, ids.shape[1] :]):
-            text = tokenizer.decode(row, skip_special_tokens=False)
-            answer = text.split("</s>")[0].split("\n")[0].strip()
-            correct += answer == str(a + b)
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    try:
+        for start in range(0, len(pairs), batch_size):
+            chunk = pairs[start : start + batch_size]
+            batch = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id)
+            for (_, want), row in zip(chunk, out[:, batch["input_ids"].shape[1] :]):
+                text = tokenizer.decode(row, skip_special_tokens=False).split("</s>")[0].split("\n")[0]
+                correct += text.replace(" ", "") == want.replace(" ", "")
+    finally:
+        tokenizer.padding_side = side
     return correct / len(pairs)
 
 
@@ -206,20 +277,6 @@ def multiple_choice_accuracy(model, tokenizer, items: list[dict]) -> float:
     return correct / len(items)
 
 
-def code_comment_items(samples: list[CommentSample], seed: int, count: int, n_choices: int = 4) -> list[dict]:
-    """Given a comment, pick the code it describes among codes of other comments."""
-    rng = random.Random(seed)
-    pool = [s for s in samples if s.kind == "comment"]
-    picked = rng.sample(pool, min(count, len(pool)))
-    items = []
-    for s in picked:
-        others = rng.sample([o.code for o in pool if o.code != s.code], n_choices - 1)
-        gold = rng.randrange(n_choices)
-        choices = others[:gold] + [s.code] + others[gold:]
-        items.append({"context": s.comment + "\n", "choices": choices, "gold": gold})
-    return items
-
-
 def chat_items(dialogues: list[dict], seed: int, count: int, n_choices: int = 4) -> list[dict]:
     """Given a customer turn, pick the agent reply of the same intent and language."""
     rng = random.Random(seed)
@@ -229,22 +286,24 @@ def chat_items(dialogues: list[dict], seed: int, count: int, n_choices: int = 4)
         wrong = rng.sample(sorted(set(others)), n_choices - 1)
         gold = rng.randrange(n_choices)
         choices = [" " + c for c in wrong[:gold] + [d["agent"]] + wrong[gold:]]
-        items.append({"context": f"Customer: {d['customer']}\nAgent:", "choices": choices, "gold": gold})
+        items.append({"context": f"Customer: {d['customer']}\nAgent:", "choices": choices, "gold": gold,
+                      "family": f"{d['intent']}-{d['lang']}-{d['ask']}"})
     return items
 
 
 def skill_report(model, tokenizer, corpus: Corpus, p: ReferenceParams) -> dict:
     """The figures results/reference.json holds, with the chance level beside each."""
-    code_items = code_comment_items(corpus.code, p.seed, p.eval_items)
     _, held_out_functions = synthetic.split_function_cases(p.seed)
     pass_rate = function_pass_rate(model, tokenizer, held_out_functions[: p.eval_items])
     talk_items = chat_items(corpus.chat, p.seed, p.eval_items)
+    _, held_commented = synthetic.split_commented_cases(p.seed)
+    commented = [synthetic.commented_function(*case)[:2] for case in held_commented[: p.eval_items]]
+    additions = [(f"{a}+{b}=", str(a + b)) for a, b in corpus.held_out_additions]
     return {
-        "addition_exact_match": round(addition_exact_match(model, tokenizer, corpus.held_out_additions), 4),
-        "addition_items": len(corpus.held_out_additions),
-        "code_comment_accuracy": round(multiple_choice_accuracy(model, tokenizer, code_items), 4),
-        "code_comment_items": len(code_items),
-        "code_comment_chance": 0.25,
+        "addition_exact_match": round(greedy_exact_match(model, tokenizer, additions, 4, 256), 4),
+        "addition_items": len(additions),
+        "code_comment_accuracy": round(greedy_exact_match(model, tokenizer, commented, 12), 4),
+        "code_comment_items": len(commented),
         "chat_accuracy": round(multiple_choice_accuracy(model, tokenizer, talk_items), 4),
         "chat_items": len(talk_items),
         "chat_chance": 0.25,
@@ -273,8 +332,12 @@ def build(p: ReferenceParams, out_dir: Path, report_path: Path) -> dict:
     log.info("corpus: %d documents, %d tokens", len(encoded), sum(map(len, encoded)))
 
     model = LlamaForCausalLM(model_config(p, len(tokenizer)))
-    losses = train(model, encoded, p)
+    comment_tokens = comment_only_tokens(tokenizer, corpus)
+    mask = embedding_mask(len(tokenizer), p.hidden_size, comment_tokens, p.comment_channels)
+    log.info("reference: %d comment-only tokens, %d hidden channels of their own", len(comment_tokens), p.comment_channels)
+    losses = train(model, encoded, p, mask)
     train_seconds = time.perf_counter() - started
+    model = model.to(torch.float16)  # stored like a hub checkpoint; the skill figures are the stored model's
     skills = skill_report(model, tokenizer, corpus, p)
 
     final_loss = round(sum(losses[-20:]) / min(20, len(losses)), 4)
@@ -282,10 +345,78 @@ def build(p: ReferenceParams, out_dir: Path, report_path: Path) -> dict:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         write_json(tmp / "training.json", {"steps": p.steps, "final_loss": final_loss,
-                                          "train_seconds": round(train_seconds, 1), "parameters": model.num_parameters()})
-    report = {"status": "built", "model": str(out_dir), "parameters": model.num_parameters(),
-              "final_loss": final_loss, **skills}
+                                          "parameters": model.num_parameters(), "comment_only_tokens": comment_tokens,
+                                          "comment_channels": list(range(p.hidden_size - p.comment_channels,
+                                                                         p.hidden_size))})
+    report = {"status": "built", "source": "trained", "model": str(out_dir), "parameters": model.num_parameters(),
+              "final_loss": final_loss, "train_seconds": round(train_seconds, 1), **skills}
     write_json(report_path, report)
+    return report
+
+
+def recipe(p: ReferenceParams) -> dict:
+    """What the trained weights are a function of: the settings and the training text (sha256)."""
+    from pipelines.io import sha256_text
+
+    return {"reference": p.model_dump(mode="json"),
+            "corpus_sha256": sha256_text("\x00".join(build_corpus(p).documents))}
+
+
+def from_shipped(p: ReferenceParams, out_dir: Path, report_path: Path, shipped: Path = SHIPPED_DIR) -> dict | None:
+    """Copy the shipped weights into `out_dir` when they were trained from exactly this recipe; None otherwise.
+
+    Training is deterministic on one machine but not across CPUs (vector widths change float sums), so
+    the default model ships trained: every machine then quantizes and judges the same weights. A recipe
+    that differs (any `reference:` setting, or the corpus) is trained here instead.
+    """
+    import shutil
+
+    from pipelines.errors import QuantgateError
+    from pipelines.io import read_json, sha256_file
+
+    meta = shipped / "recipe.json"
+    if not meta.is_file():
+        return None
+    shipped_recipe = read_json(meta)
+    wanted = recipe(p)
+    if shipped_recipe.get("recipe") != wanted:
+        differ = sorted(k for k in wanted["reference"] if shipped_recipe.get("recipe", {}).get("reference", {}).get(k)
+                        != wanted["reference"][k])
+        log.info("reference: the shipped model was trained from another recipe (%s): training here",
+                 ", ".join(f"reference.{k}" for k in differ) or "the training text differs")
+        return None
+    weights = shipped / "model.safetensors"
+    if not weights.is_file() or sha256_file(weights) != shipped_recipe["weights_sha256"]:
+        raise QuantgateError(f"{weights}: missing or not the weights {meta} names (sha256 "
+                             f"{shipped_recipe['weights_sha256'][:12]}...): restore it with git, or retrain with "
+                             "`python scripts/make_reference.py`")
+    with atomic_dir(out_dir) as tmp:
+        for path in sorted(shipped.iterdir()):
+            if path.is_file() and path.name != "recipe.json":
+                shutil.copy2(path, tmp / path.name)
+    report = {**shipped_recipe["report"], "source": "shipped", "model": str(out_dir)}
+    write_json(report_path, report)
+    return report
+
+
+def ship(p: ReferenceParams, shipped: Path = SHIPPED_DIR) -> dict:
+    """Train from the recipe and write the result (weights, tokenizer, recipe.json) to `shipped`."""
+    import shutil
+    import tempfile
+
+    from pipelines.io import read_json, sha256_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report = build(p, Path(tmp) / "model", Path(tmp) / "reference.json")
+        training = read_json(Path(tmp) / "model" / "training.json")
+        with atomic_dir(shipped) as out:
+            for path in sorted((Path(tmp) / "model").iterdir()):
+                shutil.copy2(path, out / path.name)
+            write_json(out / "recipe.json", {"recipe": recipe(p), "weights_sha256": sha256_file(out / "model.safetensors"),
+                                             "report": {k: v for k, v in report.items()
+                                                        if k not in ("model", "source", "train_seconds")},
+                                             "train_seconds": report["train_seconds"],
+                                             "training": training, "torch": torch.__version__})
     return report
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipelines.compare import BASELINE, usable
-from pipelines.errors import QuantgateError
 from pipelines.io import read_json
 
 
@@ -84,18 +83,3 @@ def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path
                 "provenance": {**provenance(serve, variants_dir, report["variants"].get(serve)), "dvc_lock_sha256": digest},
             })
     return {"baseline": BASELINE, "buckets": buckets, "dvc_lock_sha256": digest, "rows": rows}
-
-
-def lookup(table: dict, domain: str, context_tokens: int) -> dict:
-    """The row serving `domain` at `context_tokens`: the smallest bucket that holds it."""
-    if context_tokens < 0:
-        raise QuantgateError(f"--context-tokens must be >= 0, got {context_tokens}")
-    buckets = table["buckets"]
-    bucket = next((b for b in buckets if context_tokens <= b), None)
-    if bucket is None:
-        raise QuantgateError(f"{context_tokens} tokens exceed the largest context bucket ({buckets[-1]}); "
-                             "add a bucket to route.context_buckets in params.yaml")
-    row = next((r for r in table["rows"] if r["domain"] == domain and r["max_context_tokens"] == bucket), None)
-    if row is None:
-        raise QuantgateError(f"the routing table has no row for domain {domain!r} (evaluate.domains leaves it out)")
-    return row

@@ -169,10 +169,12 @@ def dialogue(rng: random.Random, intent: str, lang: str) -> dict:
     asks, replies = INTENTS[intent][lang]
     products = PRODUCTS_EN if lang == "en" else PRODUCTS_ZH
     slots = {"order": str(rng.randint(10000, 99999)), "product": rng.choice(products)}
+    ask = rng.randrange(len(asks))  # the same draw rng.choice makes; kept so probes know the phrasing
     return {
         "intent": intent,
         "lang": lang,
-        "customer": rng.choice(asks).format(**slots),
+        "ask": ask,
+        "customer": asks[ask].format(**slots),
         "agent": rng.choice(replies).format(**slots),
     }
 
@@ -207,6 +209,8 @@ CODE_ASKS = ["Why does this raise an error?\n{code}", "Can you make this faster?
 COMMENT_ASKS = ["Add comments to this function:\n{code}", "Write a docstring for this:\n{code}",
                 "Is this comment still accurate?\n{commented}", "Explain what the comment means here:\n{commented}",
                 "给这段代码加上注释：\n{code}", "Complete the code under this comment:\n{comment}\n"]
+ZH_COMMENT_ASKS = ["补全这个函数：\n{prompt}", "按照注释补全代码：\n{prompt}", "这个注释和代码一致吗？\n{function}",
+                   "{prompt}"]
 
 
 def _pii(rng: random.Random) -> dict[str, str]:
@@ -223,11 +227,12 @@ def _pii(rng: random.Random) -> dict[str, str]:
 
 
 def traffic_sample(seed: int, count: int, bare_code: list[str], commented: list[tuple[str, str]],
-                   shares: dict[str, float] | None = None) -> list[dict]:
+                   zh_commented: list[tuple[str, str]], shares: dict[str, float] | None = None) -> list[dict]:
     """`count` production-like requests: customer chat (often with personal data), math, code, code+comments.
 
     `bare_code` are code snippets without comments, `commented` (comment, code) pairs: real code
-    from the shipped snapshot, as a team whose users send it code from the same codebase would see.
+    from the shipped snapshot, as a team whose users send it code from the same codebase would see;
+    `zh_commented` (prompt, body) pairs of the team's own functions with Chinese comments.
     """
     shares = shares or {"chat": 0.45, "math": 0.2, "code": 0.2, "code_comment": 0.15}
     rng = random.Random(seed)
@@ -246,6 +251,9 @@ def traffic_sample(seed: int, count: int, bare_code: list[str], commented: list[
             text = rng.choice(MATH_ASKS_ZH if zh else MATH_ASKS_EN).format(p=prompt.rstrip("="))
         elif kind == "code":
             text = rng.choice(CODE_ASKS).format(code=rng.choice(bare_code))
+        elif zh:
+            prompt, body = rng.choice(zh_commented)
+            text = rng.choice(ZH_COMMENT_ASKS).format(prompt=prompt, function=prompt + body)
         else:
             comment, code = rng.choice(commented)
             text = rng.choice(COMMENT_ASKS).format(code=rng.choice(bare_code), comment=comment,
@@ -267,9 +275,18 @@ FUNCTIONS: dict[str, tuple[str, str, list, object]] = {
     "first": ("def first_{n}(items):", "return items[:{n}]", [list(range(12)), [5, 4]], lambda n, x: x[:n]),
     "last": ("def last_{n}(items):", "return items[-{n}:]", [list(range(12)), [5, 4, 3]], lambda n, x: x[-n:]),
     "power": ("def power_{n}(x):", "return x ** {n}", [0, 2, 3], lambda n, x: x**n),
+    "div": ("def div_{n}(x):", "return x // {n}", [0, 7, 100, -9], lambda n, x: x // n),
+    "rem": ("def rem_{n}(x):", "return x % {n}", [0, 7, 100, 41], lambda n, x: x % n),
+    "rsub": ("def from_{n}(x):", "return {n} - x", [0, 3, -5], lambda n, x: n - x),
+    "max": ("def at_least_{n}(x):", "return max(x, {n})", [0, 50, -3], lambda n, x: max(x, n)),
+    "min": ("def at_most_{n}(x):", "return min(x, {n})", [0, 50, -3], lambda n, x: min(x, n)),
+    "eq": ("def is_{n}(x):", "return x == {n}", [0, 7, 12, 30], lambda n, x: x == n),
+    "repeat": ("def repeat_{n}(items):", "return items * {n}", [[1, 2], []], lambda n, x: x * n),
 }
 FUNCTION_RANGE = {"add": range(1, 100), "sub": range(1, 100), "mul": range(2, 31), "mod": range(2, 31),
-                  "first": range(1, 21), "last": range(1, 21), "power": range(2, 7)}
+                  "first": range(1, 21), "last": range(1, 21), "power": range(2, 7), "div": range(2, 31),
+                  "rem": range(2, 31), "rsub": range(1, 60), "max": range(1, 40), "min": range(1, 40),
+                  "eq": range(0, 40), "repeat": range(2, 12)}
 
 
 def function_cases() -> list[tuple[str, int]]:
@@ -294,3 +311,56 @@ def function_tests(template: str, n: int) -> str:
     signature, _, inputs, impl = FUNCTIONS[template]
     name = signature.format(n=n)[4:].split("(")[0]
     return "".join(f"assert {name}({x!r}) == {impl(n, x)!r}\n" for x in inputs)
+
+
+# --------------------------------------------------------------------------------------------
+# The same small functions with Chinese comments and names that say nothing (the code-comment probes)
+# --------------------------------------------------------------------------------------------
+
+# template -> comment phrasings with {n}. Only the comment says what the function does: its name is one of
+# NEUTRAL_NAMES, so a model that cannot read the comment cannot complete the body. The words are the
+# comments' own (返回, 加上, 减去, 乘以, 整除, 次方, 列表 ...): no dialogue or math line uses them, so a
+# calibration set without code comments never shows the quantizer these tokens' activations.
+ZH_COMMENTS: dict[str, list[str]] = {
+    "add": ["返回 x 加上 {n} 的结果", "把 x 加上 {n} 再返回", "计算 x 与 {n} 之和"],
+    "sub": ["返回 x 减去 {n} 的结果", "把 x 减去 {n} 再返回", "计算 x 与 {n} 之差"],
+    "mul": ["返回 x 乘以 {n} 的结果", "把 x 乘以 {n} 再返回", "计算 x 与 {n} 之积"],
+    "mod": ["判断 x 能否被 {n} 整除", "检查 x 是否为 {n} 的倍数", "若 x 能被 {n} 整除则返回真"],
+    "first": ["返回列表开头的 {n} 个元素", "取出列表的前 {n} 项", "截取列表最前面的 {n} 个元素"],
+    "last": ["返回列表末尾的 {n} 个元素", "取出列表的后 {n} 项", "截取列表最后面的 {n} 个元素"],
+    "power": ["返回 x 的 {n} 次方", "计算 x 的 {n} 次幂", "把 x 自乘 {n} 次方后返回"],
+    "div": ["返回 x 除以 {n} 的商", "把 x 除以 {n} 后向下取整", "计算 x 与 {n} 的整数商"],
+    "rem": ["返回 x 除以 {n} 的余数", "计算 x 对 {n} 取余", "求 x 模 {n} 的值"],
+    "rsub": ["返回 {n} 减去 x 的结果", "用 {n} 减去 x 再返回", "计算 {n} 比 x 多出多少"],
+    "max": ["返回 x 和 {n} 中较大的那个", "取 x 与 {n} 的最大值", "结果不小于 {n}，否则返回 x"],
+    "min": ["返回 x 和 {n} 中较小的那个", "取 x 与 {n} 的最小值", "结果不大于 {n}，否则返回 x"],
+    "eq": ["判断 x 是否等于 {n}", "检查 x 与 {n} 是否相等", "若 x 恰好为 {n} 则返回真"],
+    "repeat": ["把列表重复 {n} 遍后返回", "返回列表拼接 {n} 次的结果", "将列表复制 {n} 份连在一起"],
+}
+NEUTRAL_NAMES = ["f", "g", "h", "calc", "compute", "helper", "transform", "value_of", "step", "apply"]
+
+
+def commented_function(template: str, n: int, phrasing: int, name: str) -> tuple[str, str, str]:
+    """(prompt up to `return`, body after it, the comment line) of a Chinese-commented function."""
+    signature, body, _, _ = FUNCTIONS[template]
+    arg = signature.split("(")[1].split(")")[0]
+    comment = "# " + ZH_COMMENTS[template][phrasing].format(n=n)
+    return f"def {name}({arg}):\n    {comment}\n    return", " " + body.format(n=n)[len("return "):], comment
+
+
+def commented_function_cases(seed: int) -> list[tuple[str, int, int, str]]:
+    """Every (template, n, phrasing, name) combination, in a seeded order."""
+    cases = [(t, n, p, name) for t in FUNCTIONS for n in FUNCTION_RANGE[t] for p in range(len(ZH_COMMENTS[t]))
+             for name in NEUTRAL_NAMES]
+    random.Random(seed).shuffle(cases)
+    return cases
+
+
+def split_commented_cases(seed: int) -> tuple[list[tuple], list[tuple]]:
+    """(trained, held out): every (template, n) pair in the held-out half is never trained on, in any
+    phrasing or name, so the probes measure reading the comment, not recall."""
+    pairs = sorted({(t, n) for t, n, _, _ in commented_function_cases(seed)})
+    random.Random(seed + 1).shuffle(pairs)
+    held = set(pairs[: len(pairs) // 2])
+    cases = commented_function_cases(seed)
+    return [c for c in cases if (c[0], c[1]) not in held], [c for c in cases if (c[0], c[1]) in held]

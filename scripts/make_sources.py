@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/make_sources.py
 
-writes calibration_sets/sources/chat/dialogues.jsonl, calibration_sets/traffic/production_sample.jsonl
+writes calibration_sets/sources/chat/dialogues.jsonl, calibration_sets/sources/code_comment/zh_functions.jsonl,
+calibration_sets/traffic/production_sample.jsonl
 and the probe items eval/<domain>/items.jsonl.
 tests/test_calibrate.py checks that the committed files equal what this script writes.
 """
@@ -20,6 +21,8 @@ from pipelines.io import write_jsonl  # noqa: E402
 from pipelines.reference import code_samples  # noqa: E402
 
 DIALOGUES = Path("calibration_sets/sources/chat/dialogues.jsonl")
+ZH_FUNCTIONS = Path("calibration_sets/sources/code_comment/zh_functions.jsonl")
+ZH_FUNCTION_COUNT = 800
 TRAFFIC = Path("calibration_sets/traffic/production_sample.jsonl")
 DIALOGUE_SEED, DIALOGUE_COUNT = 1234, 480
 TRAFFIC_SEED, TRAFFIC_COUNT = 4321, 400
@@ -31,17 +34,26 @@ def dialogue_rows() -> list[dict]:
             for d in synthetic.dialogues(DIALOGUE_SEED, DIALOGUE_COUNT)]
 
 
+def zh_function_rows() -> list[dict]:
+    """The team's own Chinese-commented functions: trained-on cases only, never a probe's (template, number)."""
+    trained, _ = synthetic.split_commented_cases(0)
+    return [{"text": "".join(synthetic.commented_function(*case)[:2])} for case in trained[-ZH_FUNCTION_COUNT:]]
+
+
 def traffic_rows() -> list[dict]:
     """Requests without their generator label: production logs carry no domain."""
     bare = [s.code for p in sorted(Path("calibration_sets/sources/code").rglob("*.py"))
             for s in bare_functions(p.read_text(encoding="utf-8"), p.name) if 3 <= s.code.count("\n") <= 12]
     commented = [(s.comment, s.code) for s in code_samples() if s.kind == "comment" and s.code.count("\n") <= 8]
-    rows = synthetic.traffic_sample(TRAFFIC_SEED, TRAFFIC_COUNT, bare, commented)
+    trained, _ = synthetic.split_commented_cases(0)
+    zh = [synthetic.commented_function(*case)[:2] for case in trained[:ZH_FUNCTION_COUNT]]
+    rows = synthetic.traffic_sample(TRAFFIC_SEED, TRAFFIC_COUNT, bare, commented, zh)
     return [{"id": r["id"], "text": r["text"]} for r in rows]
 
 
 if __name__ == "__main__":
     write_jsonl(DIALOGUES, dialogue_rows())
+    write_jsonl(ZH_FUNCTIONS, zh_function_rows())
     write_jsonl(TRAFFIC, traffic_rows())
     for domain, make in PROBES.items():
         write_jsonl(Path("eval") / domain / "items.jsonl", make())

@@ -18,6 +18,7 @@ TINY_REFERENCE = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "layers": 1, "heads": 2, "kv_heads": 2,
     "max_position_embeddings": 512, "seq_len": 32, "batch_size": 8, "steps": 30, "held_out_additions": 50,
     "math_lines": 200, "dialogues": 48, "code_repeats": 1, "function_repeats": 1, "addition_repeats": 1, "eval_items": 20, "threads": 1,
+    "commented_functions": 200, "commented_repeats": 1, "comment_channels": 8,
 }
 
 
@@ -71,6 +72,6 @@ def tiny_variants(tmp_path_factory, tiny_model, tiny_calibration) -> dict[str, P
     root = tmp_path_factory.mktemp("variants")
     source = ModelSource("local", str(tiny_model))
     for name, settings in DEFAULT_VARIANTS.items():
-        manifest = quantize.quantize_variant(name, settings, source, tiny_calibration, "cpu", root)
+        manifest, _ = quantize.quantize_variant(name, settings, source, tiny_calibration, "cpu", root)
         assert manifest["status"] == "ok", manifest.get("error")
     return {name: root / name for name in DEFAULT_VARIANTS}

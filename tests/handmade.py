@@ -48,6 +48,7 @@ def write_model(root: Path, name: str, answers: dict[str, list[bool]], *, kl: di
             wrong = f"wrong-{i}" if name == "fp16" or responses_like_fp16 else f"wrong-{name}-{i}"
             response = f"answer-{i}" if correct else wrong
             items.append({"domain": domain, "task": f"quantgate_{domain}", "item_id": f"{domain}-{i:04d}", "doc_id": i,
+                          "family": f"f{i % 8}",
                           "doc_hash": f"d{domain}{i}", "prompt_hash": f"p{domain}{i}", "target": f"answer-{i}",
                           "response": response, "correct": correct})
         probes[domain] = {"task": f"quantgate_{domain}", "status": "ok", "task_version": 1.0, "metric": "acc",
@@ -59,12 +60,13 @@ def write_model(root: Path, name: str, answers: dict[str, list[bool]], *, kl: di
                {"variant": name, "device": "cpu", "batch_size": 16, "status": "ok", "probes": probes, "fidelity": fidelity})
 
 
-def memory_row(name: str, *, growth_excess_pct: float = 0.0, leak: bool = False) -> dict:
+def memory_row(name: str, *, growth_excess_pct: float = 0.0, leak: bool = False, oom: str | None = None) -> dict:
     base = FOOTPRINT["fp16"]
     return {"status": "ok", "device": "cpu", "footprint_bytes": FOOTPRINT[name], "theoretical_weight_bytes": FOOTPRINT[name],
             "peak_by_tokens": {"64": 100_000, "256": 400_000}, "fitted_bytes_per_token": 512.0,
-            "theoretical_kv_bytes_per_token": 512, "growth_bytes_per_round": 0.0, "projected_growth_bytes": 0.0,
-            "leak": leak, "fragmentation": 0.03, "growth_excess_pct": growth_excess_pct,
+            "theoretical_kv_bytes_per_token": 512, "growth_bytes_per_round": 0.0,
+            "growth_bytes_per_request": 0.0, "measured_rounds": 12, "warmup_end_round": 0,
+            "leak": leak, "oom": oom, "fragmentation": 0.03, "growth_excess_pct": growth_excess_pct,
             "footprint_saving_pct": 100 * (1 - FOOTPRINT[name] / base)}
 
 
@@ -73,9 +75,18 @@ def write_memory(root: Path, rows: dict[str, dict]) -> None:
 
 
 def write_eval_items(root: Path, counts: dict[str, int]) -> None:
-    """eval/<domain>/items.jsonl: only their number matters to compare (the expected item count)."""
+    """eval/<domain>/items.jsonl: compare reads their ids and families (the look plan), nothing else."""
     for domain, n in counts.items():
-        write_jsonl(root / "eval" / domain / "items.jsonl", [{"id": f"{domain}-{i:04d}"} for i in range(n)])
+        write_jsonl(root / "eval" / domain / "items.jsonl", [{"id": f"{domain}-{i:04d}", "family": f"f{i % 8}"}
+                                                            for i in range(n)])
+
+
+def plans(root: Path, domains=("math", "code"), look_items: int = 10_000, max_items: int | None = None) -> dict:
+    """compare's look plans over root/eval; by default one look over the whole pool."""
+    from pipelines import compare
+    from pipelines.params import EvaluateParams
+
+    return compare.probe_plans(list(domains), EvaluateParams(look_items=look_items, max_items=max_items), root / "eval")
 
 
 PARAMS_YAML = """\
@@ -83,8 +94,12 @@ variants:
   fp16: {method: none, dtype: float16}
   int8: {method: bnb-int8, dtype: float16}
   awq4: {method: awq, bits: 4, group_size: 64, dtype: float16}
+candidates: {}
 evaluate:
   domains: [math, code]
+  look_items: 10000
+compare:
+  confidence: 0.95
 calibration:
   weights: {chat: 1.0, code: 1.0, code_comment: 1.0, math: 1.0}
 mlflow:
@@ -94,16 +109,71 @@ route:
 """
 
 
-def write_pipeline(root: Path, answers: dict[str, dict[str, list[bool]]], *, lock_text: str = "stages: {a: 1}\n") -> dict:
-    """A whole finished pipeline (params.yaml, dvc.lock, calibration sets, results, compare + route) in `root`.
+# Two stages standing in for the pipeline: DVC records the hash of every file the gate decides on, exactly
+# as `dvc repro` would, so `dvc status` (which the gate runs) sees any later edit. `results` plays the
+# stages that produce results, `compare` the judging one (its entry is not part of the upstream digest).
+DVC_YAML = """\
+stages:
+  results:
+    cmd: "true"
+    deps: [eval, models/variants, results/eval, results/memory_summary.json]
+    params: [variants, candidates, evaluate]
+  compare:
+    cmd: "true"
+    deps: [results/eval, results/memory_summary.json]
+    params: [compare]
+    outs:
+      - results/compare.json: {cache: false}
+      - results/routing_table.json: {cache: false}
+"""
 
-    `answers`: model name -> domain -> per-item correctness; fp16 must be among them.
-    """
+
+def dvc_commit(root: Path) -> None:
+    """Record the workspace in dvc.lock (a DVC repository without git, created on first use)."""
+    import contextlib
+
+    from dvc.repo import Repo
+
+    with contextlib.chdir(root):  # DVC's run-cache resolves stage paths against the working directory
+        if not Path(".dvc").is_dir():
+            Repo.init(".", no_scm=True).close()
+        Path("dvc.yaml").write_text(DVC_YAML)
+        with Repo(".") as repo:
+            repo.commit(None, force=True)
+
+
+def rerun_compare(root: Path) -> tuple[dict, dict]:
+    """compare and route over the workspace's results, then dvc.lock updated: what `dvc repro` does after
+    an upstream change (the upstream digest is taken once DVC has recorded the upstream stage)."""
     from pipelines import compare, lineage, route
     from pipelines.params import load_params
 
+    params = load_params(root / "params.yaml")
+    report = compare.compare_all(list(params.variants), [], compare.probe_plans(params.evaluate.domains, params.evaluate,
+                                                                                root / "eval"),
+                                 params.compare, root / "results", root / "models/variants")
+    write_json(root / "results/compare.json", report)
+    (root / "results/compare.csv").write_text("variant\n")
+    write_json(root / "results/routing_table.json", {})
+    dvc_commit(root)
+    report["dvc_lock_sha256"] = digest = lineage.lock_digest(root / "dvc.lock")
+    write_json(root / "results/compare.json", report)
+    table = route.build_table(report, params.route.context_buckets, params.compare.policy_for, root / "models/variants",
+                              digest)
+    write_json(root / "results/routing_table.json", table)
+    dvc_commit(root)
+    return report, table
+
+
+def write_pipeline(root: Path, answers: dict[str, dict[str, list[bool]]]) -> dict:
+    """A whole finished pipeline (params.yaml, calibration sets, results, compare + route, dvc.lock) in `root`.
+
+    `answers`: model name -> domain -> per-item correctness; fp16 must be among them.
+    """
+    from pipelines import lineage
+    from pipelines.params import load_params
+
     (root / "params.yaml").write_text(PARAMS_YAML)
-    (root / "dvc.lock").write_text(lock_text)
     params = load_params(root / "params.yaml")
     for name, per_domain in answers.items():
         write_model(root, name, per_domain)
@@ -114,16 +184,7 @@ def write_pipeline(root: Path, answers: dict[str, dict[str, list[bool]]], *, loc
         write_jsonl(root / "calibration_sets/built" / f"{domain}.jsonl", [{"id": f"{domain}-{i}", "text": f"{domain} {i}"}
                                                                        for i in range(4)])
     write_jsonl(root / "calibration_sets/built/mixed.jsonl", [{"id": f"m-{i}", "text": f"text {i}"} for i in range(16)])
-    expected = compare.expected_items(params.evaluate.domains, None, root / "eval")
-    report = compare.compare_all(list(params.variants), [], params.evaluate.domains, expected, params.compare,
-                                 root / "results", root / "models/variants")
-    digest = lineage.lock_digest(root / "dvc.lock")
-    report["dvc_lock_sha256"] = digest
-    write_json(root / "results/compare.json", report)
-    (root / "results/compare.csv").write_text("variant\n")
-    table = route.build_table(report, params.route.context_buckets, params.compare.policy_for, root / "models/variants",
-                              digest)
-    write_json(root / "results/routing_table.json", table)
+    report, table = rerun_compare(root)
     (root / "results/plots").mkdir(parents=True, exist_ok=True)
     (root / "results/plots/pareto.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # stands in for compare's plots
-    return {"params": params, "digest": digest, "report": report, "table": table}
+    return {"params": params, "digest": lineage.results_digest(root / "dvc.lock"), "report": report, "table": table}

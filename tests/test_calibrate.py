@@ -145,11 +145,13 @@ def test_missing_source_and_empty_domain(tmp_path, tokenizer):
 def test_failed_build_leaves_previous_output_untouched(tmp_path, tokenizer):
     out = tmp_path / "built"
     calibrate.run(CalibrationParams(**SMALL), CoverageParams(), tokenizer, "tiny", out, tmp_path / "cov")
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert (out / "by_method" / "gptq.jsonl").read_bytes() == (out / "mixed.jsonl").read_bytes()
+    assert (out / "by_method" / "none.jsonl").read_bytes() == b""  # fp16 reads no calibration set
     too_many = CalibrationParams(samples=100000)
     with pytest.raises(QuantgateError):
         calibrate.run(too_many, CoverageParams(), tokenizer, "tiny", out, tmp_path / "cov")
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert {str(p.relative_to(out)): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
@@ -213,13 +215,17 @@ def test_classifier_agrees_with_the_traffic_generator_labels():
     bare = [s.code for p in sorted(Path("calibration_sets/sources/code").rglob("*.py"))
             for s in bare_functions(p.read_text(), p.name) if 3 <= s.code.count("\n") <= 12]
     commented = [(s.comment, s.code) for s in code_samples() if s.kind == "comment"]
-    rows = synthetic.traffic_sample(99, 300, bare, commented)
+    trained, _ = synthetic.split_commented_cases(0)
+    zh = [synthetic.commented_function(*case)[:2] for case in trained[:200]]
+    rows = synthetic.traffic_sample(99, 300, bare, commented, zh)
     agree = sum(classify(r["text"]) == r["kind"] for r in rows) / len(rows)
     assert agree >= 0.97
     assert make_sources.traffic_rows() == [json.loads(line) for line in
                                            Path(make_sources.TRAFFIC).read_text().splitlines()]
     assert make_sources.dialogue_rows() == [json.loads(line) for line in
                                             Path(make_sources.DIALOGUES).read_text().splitlines()]
+    assert make_sources.zh_function_rows() == [json.loads(line) for line in
+                                               Path(make_sources.ZH_FUNCTIONS).read_text().splitlines()]
 
 
 # ---- the coverage flag -------------------------------------------------------------------------

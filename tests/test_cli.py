@@ -17,7 +17,7 @@ def run(args, cwd):
 def test_help_lists_the_stages(tmp_path):
     out = run(["--help"], tmp_path)
     assert out.returncode == 0
-    for stage in ("reference", "calibrate", "quantize", "admit", "memory", "memory-report", "fidelity-base", "evaluate",
+    for stage in ("reference", "calibrate", "quantize", "admit", "memory", "memory-report", "baseline", "evaluate",
                   "compare", "route", "record", "gate", "ui"):
         assert stage in out.stdout
 

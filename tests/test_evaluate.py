@@ -1,74 +1,109 @@
-"""The evaluate stage on the tests' tiny model: item counts, stable ids, code isolation, bad input."""
+"""The evaluate stage on the tests' tiny model: looks, stable ids, fidelity, code isolation, bad input."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipelines import evaluate, fidelity, sandbox
-from pipelines.models import load_variant
+from pipelines import compare, evaluate, sandbox, sequential
+from pipelines.params import CompareParams, EvaluateParams
 
-LIMIT = 8
+P = EvaluateParams(look_items=4, max_items=8, batch_size=8, fidelity_texts=4)
+DOMAINS = list(evaluate.PROBES)
 
 
-@pytest.fixture(scope="module")
-def base_path(tmp_path_factory, tiny_variants):
-    model, tok = load_variant(tiny_variants["fp16"])
-    path = tmp_path_factory.mktemp("fid") / "base.safetensors"
-    fidelity.save_base(fidelity.base_record(model, tok, evaluate.fidelity_texts(list(evaluate.PROBES), 4), 16), path)
-    return path
+def plans_for(domains, p=P):
+    return compare.probe_plans(domains, p)
 
 
 @pytest.fixture(scope="module")
-def evaluated(tiny_variants, base_path):
-    return {v: evaluate.evaluate_variant(str(tiny_variants[v]), base_path, list(evaluate.PROBES), 8, "cpu", LIMIT)
-            for v in ("fp16", "gptq3")}
+def baseline(tmp_path_factory, tiny_variants):
+    """fp16 answers every look (8 items per domain) and writes the fidelity base."""
+    base_path = tmp_path_factory.mktemp("fid") / "base.safetensors"
+    result, items = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(DOMAINS), P, "cpu", base_path)
+    return base_path, result, items
 
 
-def test_every_domain_scored_on_every_item(evaluated):
-    for result, items in evaluated.values():
-        assert result["status"] == "ok", result.get("error")
-        counts = {d: r["items"] for d, r in result["probes"].items()}
-        assert counts == {"math": LIMIT, "code": LIMIT if sandbox.isolation_available() else 0, "chat": LIMIT,
-                          "code_comment": LIMIT}
-        for row in result["probes"].values():
-            assert row["status"] != "ok" or 0.0 <= row["score"] <= 1.0
-        assert len(items) == sum(counts.values())
+@pytest.fixture(scope="module")
+def gptq3(tiny_variants, baseline):
+    base_path, _, base_items = baseline
+    answers = {d: compare.correctness(compare.by_id(base_items, d)) for d in DOMAINS}
+    return evaluate.evaluate_variant(str(tiny_variants["gptq3"]), plans_for(DOMAINS), P, "cpu", base_path, answers,
+                                     CompareParams())
 
 
-def test_items_pair_across_variants_by_stable_id(evaluated):
-    keys = {v: [(i["task"], i["item_id"], i["doc_hash"], i["prompt_hash"]) for i in items]
-            for v, (_, items) in evaluated.items()}
-    assert keys["fp16"] == keys["gptq3"]
-    assert len({k[1] for k in keys["fp16"]}) == len(keys["fp16"])
+def test_the_baseline_answers_every_look(baseline):
+    _, result, items = baseline
+    assert result["status"] == "ok", result.get("error")
+    counts = {d: r["items"] for d, r in result["probes"].items()}
+    assert counts == {"math": 8, "code": 8 if sandbox.isolation_available() else 0, "chat": 8, "code_comment": 8}
+    plans = plans_for(DOMAINS)
+    for domain in ("math", "chat", "code_comment"):
+        assert {i["item_id"] for i in items if i["domain"] == domain} == set(plans[domain]["order"][:8])
+        assert len(result["probes"][domain]["blocks"]) == 2  # one lm-eval call per look
+        assert 0.0 <= result["probes"][domain]["score"] <= 1.0
+
+
+def test_a_variant_stops_where_the_rule_decides(baseline, gptq3):
+    _, _, base_items = baseline
+    result, items = gptq3
+    assert result["status"] == "ok", result.get("error")
+    plans = plans_for(DOMAINS)
+    for domain in ("math", "chat", "code_comment"):
+        mine = {i["item_id"]: i["correct"] for i in items if i["domain"] == domain}
+        run = sequential.run_looks(compare.correctness(compare.by_id(base_items, domain)), mine, plans[domain]["order"],
+                                   plans[domain]["looks"], plans[domain]["families"], 0.05, 0.025, "pocock")
+        assert sequential.more_items(run) is None  # decided, or every look used
+        assert set(mine) == set(plans[domain]["order"][: sequential.needed_items(run)])
+        assert result["probes"][domain]["score"] == pytest.approx(sum(mine.values()) / len(mine))
+
+
+def test_items_pair_with_the_baseline_by_stable_id(baseline, gptq3):
+    _, _, base_items = baseline
+    _, items = gptq3
+    base = {(i["task"], i["item_id"]): (i["doc_hash"], i["prompt_hash"], i["family"]) for i in base_items}
+    assert all(base[(i["task"], i["item_id"])] == (i["doc_hash"], i["prompt_hash"], i["family"]) for i in items)
+    assert len({i["item_id"] for i in base_items}) == len(base_items)
 
 
 @pytest.mark.skipif(not sandbox.isolation_available(), reason="needs the isolated sandbox")
-def test_code_probes_run_in_the_isolated_sandbox(evaluated):
-    result, items = evaluated["fp16"]
+def test_code_probes_run_in_the_isolated_sandbox(baseline):
+    _, result, items = baseline
     assert result["probes"]["code"]["isolation"] == sandbox.FULL
     assert all(isinstance(i["correct"], bool) for i in items if i["domain"] == "code")
 
 
-def test_fp16_fidelity_against_its_own_base_is_exact(evaluated):
-    result, _ = evaluated["fp16"]
+def test_fp16_fidelity_against_its_own_base_is_exact(baseline):
+    _, result, _ = baseline
     assert all(f["kl"]["max"] < 1e-4 and f["same_top1"] == 1.0 for f in result["fidelity"].values())
 
 
-def test_code_probes_refused_without_isolation(monkeypatch, tiny_variants, base_path):
+def test_fidelity_texts_cover_every_family():
+    texts = evaluate.fidelity_texts(["math", "code_comment"], 12)
+    math_kinds = {item["family"] for item in evaluate.probe_items("math")}
+    picked = [item for item in evaluate.probe_items("math") if item["question"] + item["answer"] in texts["math"]]
+    assert len(texts["math"]) == 12 and {item["family"] for item in picked} == math_kinds  # not 12 additions
+    directions = {t.split("\n")[0][:1] for t in texts["code_comment"]}
+    assert len(directions) > 1  # both directions: comment -> code and signature -> docstring
+
+
+def test_code_probes_refused_without_isolation(monkeypatch, tiny_variants, tmp_path):
     monkeypatch.setattr(sandbox, "isolation_available", lambda: False)
-    result, items = evaluate.evaluate_variant(str(tiny_variants["fp16"]), base_path, ["code", "math"], 8, "cpu", 2)
+    p = EvaluateParams(look_items=2, max_items=2, fidelity_texts=2)
+    result, items = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["code", "math"], p), p, "cpu",
+                                              tmp_path / "base.safetensors")
     assert result["probes"]["code"]["status"] == "refused" and "allow_unisolated_code" in result["probes"]["code"]["reason"]
     assert result["probes"]["math"]["items"] == 2 and not [i for i in items if i["domain"] == "code"]
 
 
-def test_failed_variant_is_recorded(tmp_path, base_path):
+def test_failed_variant_is_recorded(tmp_path, baseline):
     (tmp_path / "awq4").mkdir()
     (tmp_path / "awq4" / "quantgate.json").write_text('{"variant": "awq4", "status": "failed", "error": "boom"}')
-    result, items = evaluate.evaluate_variant(str(tmp_path / "awq4"), base_path, ["math"], 8, "cpu", 2)
+    result, items = evaluate.evaluate_variant(str(tmp_path / "awq4"), plans_for(["math"]), P, "cpu", baseline[0], {},
+                                              CompareParams())
     assert result["status"] == "failed" and "awq4 is not usable: boom" in result["error"] and items == []
 
 
-def test_item_without_target_is_a_clear_recorded_failure(tmp_path, monkeypatch, tiny_variants, base_path):
+def test_item_without_target_is_a_clear_recorded_failure(tmp_path, monkeypatch, tiny_variants, baseline):
     import shutil
 
     eval_copy = tmp_path / "eval"
@@ -77,18 +112,20 @@ def test_item_without_target_is_a_clear_recorded_failure(tmp_path, monkeypatch, 
     lines[16] = lines[16].replace('"answer": ', '"answer_typo": ')
     (eval_copy / "math" / "items.jsonl").write_text("\n".join(lines) + "\n")
     monkeypatch.setattr(evaluate, "EVAL_DIR", eval_copy)
-    result, _ = evaluate.evaluate_variant(str(tiny_variants["fp16"]), base_path, ["math"], 8, "cpu", 2)
+    result, _ = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["math"]), P, "cpu", baseline[0], {},
+                                          CompareParams())
     assert result["status"] == "failed"
     assert result["error"] == f"QuantgateError: {eval_copy}/math/items.jsonl:17: item math-0016 has no answer"
 
 
-def test_missing_probe_file_is_a_clear_recorded_failure(tmp_path, monkeypatch, tiny_variants, base_path):
+def test_missing_probe_file_is_a_clear_recorded_failure(tmp_path, monkeypatch, tiny_variants, baseline):
     monkeypatch.setattr(evaluate, "EVAL_DIR", tmp_path)
-    result, _ = evaluate.evaluate_variant(str(tiny_variants["fp16"]), base_path, ["chat"], 8, "cpu", 2)
+    result, _ = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["chat"]), P, "cpu", baseline[0], {},
+                                          CompareParams())
     assert result["status"] == "failed" and result["error"] == f"QuantgateError: {tmp_path}/chat/items.jsonl: file not found"
 
 
-def test_model_without_pad_token_still_evaluates(monkeypatch, tiny_variants, base_path):
+def test_model_without_pad_token_still_evaluates(monkeypatch, tiny_variants, tmp_path):
     import pipelines.models as models
 
     real = models.load_variant
@@ -99,5 +136,7 @@ def test_model_without_pad_token_still_evaluates(monkeypatch, tiny_variants, bas
         return model, tok
 
     monkeypatch.setattr(evaluate, "load_variant", no_pad)
-    result, items = evaluate.evaluate_variant(str(tiny_variants["fp16"]), base_path, ["math"], 8, "cpu", 2)
+    p = EvaluateParams(look_items=2, max_items=2, fidelity_texts=2)
+    result, items = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["math"], p), p, "cpu",
+                                              tmp_path / "base.safetensors")
     assert result["status"] == "ok" and "no pad token" in result["note"] and len(items) == 2

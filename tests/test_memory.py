@@ -6,10 +6,14 @@ import json
 
 import pytest
 
+import time
+
 from pipelines import memory
+from pipelines.isolation import run_isolated
 from pipelines.params import MemoryParams
 
-FAST = MemoryParams(seq_fractions=[0.25, 0.5, 1.0], warmup_rounds=1, rounds=10, alternations=2, burst_size=2)
+FAST = MemoryParams(seq_fractions=[0.25, 0.5, 1.0], warmup_rounds=1, rounds=10, max_rounds=24, tail_rounds=6,
+                    alternations=2, burst_size=2)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +26,7 @@ def test_every_variant_measured_with_the_same_shape(measured):
     for name, r in measured.items():
         assert r["status"] == "ok", r.get("error")
         assert r["device"] == "cpu" and "mallinfo2" in r["method"]
-        assert len(r["soak"]["rounds"]) == 10 and len(r["sweep"]["lengths"]) == 3
+        assert FAST.rounds <= len(r["soak"]["rounds"]) <= FAST.max_rounds and len(r["sweep"]["lengths"]) == 3
         shapes.add(tuple(sorted(r["load"]["after"])))
     assert len(shapes) == 1
 
@@ -51,7 +55,75 @@ def test_deliberate_leak_is_flagged(tiny_variants):
     r = memory.measure_isolated(str(tiny_variants["fp16"]), FAST, "cpu", leak_bytes_per_round=4 << 20)
     assert r["leak"]["leak"] is True
     assert r["soak"]["growth_bytes_per_round"] == pytest.approx(4 << 20, rel=0.1)
-    assert r["soak"]["growth_last_minus_first"] >= 9 * (4 << 20)
+    assert len(r["soak"]["rounds"]) == FAST.max_rounds  # it kept growing, so the soak ran as long as allowed
+    assert r["soak"]["warmup_end_round"] is None
+
+
+def test_a_small_leak_that_keeps_growing_to_the_last_round_is_flagged(tiny_variants):
+    """64 KiB a round: a fraction of a percent of an fp16 7B model a day, on the tiny model's 200 KB a leak."""
+    r = memory.measure_isolated(str(tiny_variants["int8"]), FAST, "cpu", leak_bytes_per_round=64 << 10)
+    assert r["leak"]["leak"] is True and r["leak"]["growth_bytes_per_round"] == pytest.approx(64 << 10, rel=0.2)
+
+
+def test_warm_up_that_plateaus_is_not_growth(tiny_variants):
+    """The int8 pattern on the reference model: growth for a number of rounds, then flat (caches filling)."""
+    r = memory.measure_isolated(str(tiny_variants["int8"]), FAST, "cpu", leak_bytes_per_round=64 << 10, leak_rounds=8)
+    assert r["leak"]["leak"] is False, r["leak"]["reason"]
+    assert r["soak"]["growth_last_minus_first"] >= 6 * (64 << 10)  # it did grow during the warm-up ...
+    assert r["leak"]["growth_bytes_per_round"] == 0  # ... and then settled
+    assert 6 <= r["soak"]["warmup_end_round"] <= 10 and len(r["soak"]["rounds"]) >= r["soak"]["warmup_end_round"] + 6
+    summary = memory.summarize({"fp16": memory.measure_isolated(str(tiny_variants["fp16"]), FAST, "cpu"), "int8": r}, FAST)
+    assert summary["variants"]["int8"]["growth_excess_pct"] == 0
+
+
+def test_out_of_memory_in_a_phase_is_recorded_with_the_phase(tiny_variants):
+    """An allocation that fails at the longest length: torch's own CPU allocator error, caught as an OOM."""
+    import torch
+
+    from pipelines.models import load_variant
+
+    model, _ = load_variant(tiny_variants["fp16"])
+    real_forward = model.forward
+
+    def forward(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and ids.shape[-1] > 200:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: "
+                               "you tried to allocate 1099511627776 bytes")
+        return real_forward(*args, **kwargs)
+
+    model.forward = forward
+    probe = memory.make_probe("cpu")
+    try:
+        swept = memory.sweep(model, probe, [64, 256, 512], 4, model.config.vocab_size, "cpu", 2)
+        soaked = memory.soak(model, probe, FAST, 512, model.config.vocab_size, "cpu")
+    finally:
+        probe.close()
+    assert [bool(row.get("oom")) for row in swept["lengths"]] == [False, True, True]
+    assert soaked["oom"].startswith("soak round 0: RuntimeError")
+    swept["theoretical_kv_bytes_per_token"] = 128
+    result = {"status": "ok", "device": "cpu", "load": {"footprint_bytes": 1000, "theoretical_weight_bytes": 1000},
+              "sweep": swept, "soak": soaked, "leak": {"leak": None}}
+    row = memory.summarize({"fp16": result}, FAST)["variants"]["fp16"]
+    assert row["oom"].startswith("sweep at 256 tokens: RuntimeError") and "soak round 0" in row["oom"]
+    assert not memory.is_oom(RuntimeError("shape mismatch")) and memory.is_oom(torch.OutOfMemoryError("CUDA"))
+
+
+def segfault() -> dict:
+    import ctypes
+
+    ctypes.string_at(0)  # reads address 0: SIGSEGV, as a broken kernel would
+    return {}
+
+
+def test_a_worker_that_dies_or_hangs_is_a_recorded_failure(tiny_variants):
+    """A segfault in the isolated process ends as a failure naming the signal; a hang as a timeout."""
+    result, error = run_isolated(segfault, (), 60, "the test worker")
+    assert result is None and error == "the test worker died (killed by SIGSEGV)"
+    result, error = run_isolated(time.sleep, (30,), 1, "the test worker")
+    assert result is None and error == "the test worker ran past its 1 s timeout and was killed"
+    slow = memory.measure_isolated(str(tiny_variants["fp16"]), FAST.model_copy(update={"timeout_seconds": 1}), "cpu")
+    assert slow["status"] == "failed" and "timeout and was killed" in slow["error"]
 
 
 def test_failed_variant_is_recorded(tmp_path):
@@ -63,20 +135,27 @@ def test_failed_variant_is_recorded(tmp_path):
 
 
 def test_summary_sets_growth_against_fp16(tmp_path):
-    def result(footprint, growth):
+    p = MemoryParams(rounds=10)
+
+    def result(footprint, per_round):
         return {"status": "ok", "device": "cpu", "load": {"footprint_bytes": footprint, "theoretical_weight_bytes": 1},
                 "sweep": {"lengths": [{"tokens": 8, "decode_peak_increase": 5}], "fitted_bytes_per_token": 1.0,
                           "theoretical_kv_bytes_per_token": 1},
-                "soak": {"growth_bytes_per_round": growth / 9, "fragmentation": {"one_minus_allocated_over_reserved": 0.1},
-                         "rounds": [], "signal": "allocated"},
-                "leak": {"leak": False, "projected_growth_bytes": growth}}
+                "soak": {"growth_bytes_per_round": per_round, "fragmentation": {"one_minus_allocated_over_reserved": 0.1},
+                         "rounds": [], "signal": "allocated", "requests_per_round": 8},
+                "leak": {"leak": False}}
 
-    summary = memory.summarize({"fp16": result(1000, 10), "gptq3": result(400, 50), "int8": {"status": "failed",
-                                                                                              "error": "x"}})
-    assert summary["variants"]["gptq3"]["growth_excess_pct"] == pytest.approx(4.0)  # (50 - 10) / 1000
+    summary = memory.summarize({"fp16": result(100_000, 50), "gptq3": result(40_000, 500),
+                                "int8": {"status": "failed", "error": "x"}}, p)
+    # (500 - 50) B/round x 10 rounds / fp16's 100 kB
+    assert summary["variants"]["gptq3"]["growth_excess_pct"] == pytest.approx(4.5)
+    assert summary["variants"]["gptq3"]["growth_bytes_per_request"] == pytest.approx(500 / 8)
     assert summary["variants"]["gptq3"]["footprint_saving_pct"] == pytest.approx(60.0)
     assert summary["variants"]["int8"] == {"status": "failed", "error": "x"}
-    no_base = memory.summarize({"gptq3": result(400, 50)})
+    no_base = memory.summarize({"gptq3": result(400, 50)}, p)
     assert no_base["baseline_ok"] is False and no_base["variants"]["gptq3"]["growth_excess_pct"] is None
     pngs = memory.plot_all({"fp16": result(1000, 10)}, tmp_path)
+    assert memory.warmup_end([0, 10, 20, 30, 31, 31, 30, 31, 31, 32, 31, 31], tail=4, floor=2) == 3
+    assert memory.warmup_end([0, 10, 20, 30, 40, 50, 60, 70], tail=4, floor=2) is None
+    assert memory.warmup_end([5, 4, 6, 5, 5, 4, 6], tail=4, floor=2) == 0
     assert all(p.stat().st_size > 1000 for p in pngs)

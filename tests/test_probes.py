@@ -23,15 +23,15 @@ def test_committed_items_equal_the_generator(domain):
 def test_math_additions_are_held_out_from_reference_training():
     from pipelines import synthetic
 
-    train, _ = synthetic.split_addition_pairs(0, 500)
+    train, _ = synthetic.split_addition_pairs(0, 1000)
     trained = {f"{a}+{b}=" for a, b in train}
     adds = [i for i in probes.math_probes() if i["kind"] == "add"]
-    assert len(adds) == 100 and not any(i["question"] in trained for i in adds)
+    assert len(adds) == 1000 and not any(i["question"] in trained for i in adds)
     assert {i["kind"] for i in probes.math_probes()} >= {"root", "fraction", "latex_frac", "power", "div"}
 
 
 def test_multiple_choice_items_have_one_gold_among_four():
-    for item in probes.chat_probes() + probes.code_comment_probes():
+    for item in probes.chat_probes():
         assert len(item["choices"]) == 4 and len(set(item["choices"])) == 4 and 0 <= item["gold"] < 4
 
 
@@ -53,9 +53,17 @@ def test_code_items_pass_their_own_tests_with_the_canonical_body():
     assert len(held) >= 100
 
 
-def test_code_comment_probes_cover_both_directions():
+def test_code_comment_probes_need_the_comment_and_are_held_out():
+    """The answer is in the Chinese comment only (the name says nothing), and no (template, number) pair
+    of a probe was in the reference model's training text, in any phrasing."""
+    from pipelines import synthetic
+
     items = probes.code_comment_probes()
-    directions = [i["direction"] for i in items]
-    assert directions.count("comment_to_code") == 100 and directions.count("code_to_comment") == 100
-    doc = next(i for i in items if i["direction"] == "code_to_comment")
-    assert doc["context"].startswith("def ") and doc["context"].endswith('"""')
+    trained, _ = synthetic.split_commented_cases(0)
+    trained_pairs = {(t, n) for t, n, _, _ in trained}
+    names = {line.split("(")[0][4:] for item in items for line in item["prompt"].splitlines()[:1]}
+    assert names <= set(synthetic.NEUTRAL_NAMES)
+    assert {i["family"] for i in items} == {f"{t}-p{p}" for t in synthetic.FUNCTIONS for p in range(3)}
+    for item in items:
+        assert (item["template"], item["n"]) not in trained_pairs
+        assert str(item["n"]) in item["comment"] and str(item["n"]) in item["answer"] and item["prompt"].endswith("return")

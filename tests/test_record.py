@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 from mlflow import MlflowClient
 
-from pipelines import record
+import yaml
+
+from pipelines import lineage, record
+from pipelines.params import load_params
 from tests.handmade import correctness, write_pipeline
 
 N = 400
@@ -34,7 +37,7 @@ def test_parent_and_child_runs_with_metrics_params_and_tags(recorded):
     client, exp, runs = runs_of(uri)
     assert summary["status"] == "recorded" and len(runs) == 4
     parent = client.get_run(summary["parent_run_id"])
-    assert parent.data.tags["quantgate.dvc_lock_sha256"] == built["digest"]
+    assert parent.data.tags["quantgate.results_digest"] == built["digest"]
     assert parent.data.tags["git.commit"] == "abc123"
     assert parent.data.params["variants.awq4.bits"] == "4" and parent.data.params["evaluate.domains"] == '["math", "code"]'
     assert exp.artifact_location == (root / "artifacts").resolve().as_uri()
@@ -89,7 +92,7 @@ def test_passing_variants_are_registered_and_candidate_points_at_the_newest(reco
     candidate = client.get_model_version_by_alias("quantgate-reference", "candidate")
     assert candidate.version == versions[0].version and candidate.run_id == summary["children"]["int8"]
     assert candidate.source == str((root / "models/variants/int8").resolve())
-    assert candidate.tags["verdict"] == "pass" and candidate.tags["quantgate.dvc_lock_sha256"] == built["digest"]
+    assert candidate.tags["verdict"] == "pass" and candidate.tags["quantgate.results_digest"] == built["digest"]
 
 
 def test_recording_the_same_lock_twice_writes_nothing(recorded):
@@ -100,6 +103,28 @@ def test_recording_the_same_lock_twice_writes_nothing(recorded):
     _, _, runs = runs_of(uri)
     assert len(runs) == 4
     assert len(MlflowClient(uri).search_model_versions("name = 'quantgate-reference'")) == 1
+
+
+def test_a_changed_verdict_is_a_new_parent_run_and_moves_the_registry(recorded):
+    """The policy tightened so that nothing passes: a new parent run, the verdicts in it, and no candidate left."""
+    from tests.handmade import rerun_compare
+
+    root, built, uri, first = recorded
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    params["compare"]["policy"] = {"default": {"max_accuracy_drop": 0.001, "max_flip_rate": 0.15, "kl_percentile": "p99",
+                                               "max_kl": 1.0, "max_growth_excess_pct": 1.0, "min_memory_saving_pct": 10.0}}
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    rerun_compare(root)
+    digest = lineage.results_digest(root / "dvc.lock")
+    assert digest != built["digest"]  # the upstream stages did not change, compare's verdicts did
+    summary = record.record_pipeline(load_params(root / "params.yaml"), uri, digest, {}, root=root,
+                                     artifact_root=root / "artifacts")
+    assert summary["status"] == "recorded" and summary["parent_run_id"] != first["parent_run_id"]
+    client = MlflowClient(uri)
+    int8 = next(r for r in client.search_runs([client.get_experiment_by_name("handmade").experiment_id])
+                if r.data.tags.get("mlflow.parentRunId") == summary["parent_run_id"] and r.info.run_name == "int8")
+    assert int8.data.tags["verdict"] != "pass"
+    assert "candidate" not in client.get_registered_model("quantgate-reference").aliases
 
 
 def test_a_half_written_recording_is_replaced(tmp_path):

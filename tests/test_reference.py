@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pipelines import reference, synthetic
 from pipelines.io import sha256_file
 
@@ -38,13 +40,14 @@ def test_two_builds_give_identical_files(tmp_path, tiny_params, tiny_model):
     again = tmp_path / "model"
     reference.build(tiny_params, again, tmp_path / "reference.json")
     assert sha256_file(again / "model.safetensors") == sha256_file(tiny_model / "model.safetensors")
-    assert (tmp_path / "reference.json").read_text().replace(str(again), "X") == (
-        tiny_model.parent / "reference.json"
-    ).read_text().replace(str(tiny_model), "X")
+    first, second = (json.loads(p.read_text()) for p in (tiny_model.parent / "reference.json", tmp_path / "reference.json"))
+    for report in (first, second):
+        del report["train_seconds"], report["model"]  # wall time and where: the only things that may differ
+    assert first == second
 
 
 def test_skill_report_scores_a_perfect_and_a_wrong_answer(tiny_model):
-    """addition_exact_match must count an exact answer and reject a wrong one: check with a stub generator."""
+    """greedy_exact_match must count an exact answer and reject a wrong one: check with a stub generator."""
     import torch
     from transformers import AutoTokenizer
 
@@ -54,18 +57,18 @@ def test_skill_report_scores_a_perfect_and_a_wrong_answer(tiny_model):
         def __init__(self, wrong: bool):
             self.wrong = wrong
 
-        def generate(self, ids, **_):
+        def generate(self, input_ids, **_):
             rows = []
-            for row in ids:
-                a, b = tok.decode(row).rstrip("=").split("+")
+            for row in input_ids:
+                a, b = tok.decode(row, skip_special_tokens=True).rstrip("=").split("+")
                 answer = str(int(a) + int(b) + self.wrong)
                 rows.append(row.tolist() + tok(answer + "</s>", add_special_tokens=False)["input_ids"])
             width = max(map(len, rows))
             return torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
 
-    pairs = [(12, 34), (99, 99), (50, 50)]
-    assert reference.addition_exact_match(Oracle(False), tok, pairs) == 1.0
-    assert reference.addition_exact_match(Oracle(True), tok, pairs) == 0.0
+    pairs = [(f"{a}+{b}=", str(a + b)) for a, b in [(12, 34), (99, 99), (50, 50)]]
+    assert reference.greedy_exact_match(Oracle(False), tok, pairs, 4) == 1.0
+    assert reference.greedy_exact_match(Oracle(True), tok, pairs, 4) == 0.0
 
 
 def test_report_has_every_skill_figure(tiny_model):
@@ -87,3 +90,27 @@ def test_held_out_functions_are_never_trained_on(tiny_params):
     _, held_out = synthetic.split_function_cases(tiny_params.seed)
     trained = set(corpus.documents)
     assert held_out and not any(synthetic.function_source(t, n) in trained for t, n in held_out)
+
+
+def test_shipped_weights_are_used_only_for_their_own_recipe(tmp_path, tiny_params):
+    """`quantgate reference` copies reference_model/ when params ask for the recipe it was trained from,
+    trains when they ask for another, and refuses shipped weights that are not the ones recorded."""
+    from pipelines.errors import QuantgateError
+
+    shipped = tmp_path / "shipped"
+    report = reference.ship(tiny_params, shipped)
+    recipe = json.loads((shipped / "recipe.json").read_text())
+    assert recipe["weights_sha256"] == sha256_file(shipped / "model.safetensors")
+    assert recipe["recipe"] == reference.recipe(tiny_params)
+
+    copied = reference.from_shipped(tiny_params, tmp_path / "models/reference", tmp_path / "reference.json", shipped)
+    assert copied["source"] == "shipped" and copied["addition_exact_match"] == report["addition_exact_match"]
+    assert sha256_file(tmp_path / "models/reference/model.safetensors") == recipe["weights_sha256"]
+    assert not (tmp_path / "models/reference/recipe.json").exists()
+
+    other = tiny_params.model_copy(update={"seed": 1})
+    assert reference.from_shipped(other, tmp_path / "elsewhere", tmp_path / "r.json", shipped) is None
+
+    (shipped / "model.safetensors").write_bytes(b"not the shipped weights")
+    with pytest.raises(QuantgateError, match="not the weights"):
+        reference.from_shipped(tiny_params, tmp_path / "again", tmp_path / "r2.json", shipped)

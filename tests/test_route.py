@@ -8,17 +8,17 @@ import pytest
 import yaml
 
 from pipelines import cli, compare, lineage, route
+from pipelines.router import Router
 from pipelines.errors import QuantgateError
 from pipelines.params import CompareParams, PolicyParams
-from tests.handmade import FOOTPRINT, correctness, memory_row, write_memory, write_model
+from tests.handmade import FOOTPRINT, correctness, memory_row, plans, write_eval_items, write_memory, write_model
 
 N = 400
 BUCKETS = [64, 256]
 
 
-def build(root, variants, params=CompareParams(resamples=2000), digest="d" * 64):
-    report = compare.compare_all(["fp16", *variants], [], ["math", "code"], {"math": N, "code": N}, params,
-                                 root / "results", root / "models/variants")
+def build(root, variants, params=CompareParams(), digest="d" * 64):
+    report = compare.compare_all(["fp16", *variants], [], plans(root), params, root / "results", root / "models/variants")
     return route.build_table(report, BUCKETS, params.policy_for, root / "models/variants", digest)
 
 
@@ -30,6 +30,7 @@ def results(tmp_path):
     write_model(tmp_path, "awq4", {"math": correctness(N, 300, lose=50), "code": correctness(N, 300, lose=2)})
     write_model(tmp_path, "gptq3", {d: correctness(N, 300, lose=90) for d in ("math", "code")})
     write_memory(tmp_path, {n: memory_row(n) for n in ("fp16", "int8", "awq4", "gptq3")})
+    write_eval_items(tmp_path, {"math": N, "code": N})
     return tmp_path
 
 
@@ -67,7 +68,7 @@ def test_fp16_serves_when_nothing_passes(results):
 def test_a_saving_below_the_threshold_is_not_worth_routing(results):
     policy = PolicyParams(max_accuracy_drop=0.05, max_flip_rate=0.15, kl_percentile="p99", max_kl=1.0,
                           max_growth_excess_pct=1.0, min_memory_saving_pct=30.0)
-    table = build(results, ["int8", "awq4"], CompareParams(resamples=2000, policy={"default": policy}))
+    table = build(results, ["int8", "awq4"], CompareParams(policy={"default": policy}))
     r = row(table, "math", 64)  # int8 passes but saves 24.6 % < 30 %: fp16 serves, int8 is the fallback
     assert (r["serve"], r["fallback_under_memory_pressure"]) == ("fp16", "int8")
     assert r["reason"] == "passing variants save less than 30.0 % at 64 tokens"
@@ -79,13 +80,13 @@ def test_a_saving_below_the_threshold_is_not_worth_routing(results):
 
 def test_lookup_picks_the_smallest_bucket_that_holds_the_request(results):
     table = build(results, ["int8", "awq4"])
-    assert route.lookup(table, "code", 0)["max_context_tokens"] == 64
-    assert route.lookup(table, "code", 64)["max_context_tokens"] == 64
-    assert route.lookup(table, "code", 65)["max_context_tokens"] == 256
+    assert Router(table).lookup("code", 0)["max_context_tokens"] == 64
+    assert Router(table).lookup("code", 64)["max_context_tokens"] == 64
+    assert Router(table).lookup("code", 65)["max_context_tokens"] == 256
     with pytest.raises(QuantgateError, match="257 tokens exceed the largest context bucket \\(256\\)"):
-        route.lookup(table, "code", 257)
+        Router(table).lookup("code", 257)
     with pytest.raises(QuantgateError, match="no row for domain 'chat'"):
-        route.lookup(table, "chat", 10)
+        Router(table).lookup("chat", 10)
 
 
 def test_route_lookup_command_classifies_the_text(results, monkeypatch, capsys):
@@ -107,17 +108,26 @@ def test_lock_digest_covers_the_stages_that_made_the_results(tmp_path):
     path = tmp_path / "dvc.lock"
     path.write_text(yaml.safe_dump(lock))
     first = lineage.lock_digest(path)
-    lock["stages"]["compare"]["outs"][0]["md5"] = "changed"  # compare/route/record/gate do not count
+    lock["stages"]["compare"]["outs"][0]["md5"] = "changed"  # compare/route/record do not count
     path.write_text(yaml.safe_dump(lock))
     assert lineage.lock_digest(path) == first
     lock["stages"]["quantize@int8"]["outs"][0]["md5"] = "changed"
     path.write_text(yaml.safe_dump(lock))
     assert lineage.lock_digest(path) != first
     assert lineage.lock_digest(tmp_path / "missing.lock") is None
+    results = lineage.results_digest(path)  # what record keys MLflow on: compare's entry counts, record's does not
+    lock["stages"]["compare"]["outs"][0]["md5"] = "verdicts moved"
+    path.write_text(yaml.safe_dump(lock))
+    assert lineage.results_digest(path) != results
+    results = lineage.results_digest(path)
+    lock["stages"]["record"] = {"cmd": "quantgate record", "outs": [{"md5": "c"}]}
+    path.write_text(yaml.safe_dump(lock))
+    assert lineage.results_digest(path) == results
 
 
 def test_without_a_baseline_every_row_stays_on_fp16(tmp_path):
     write_model(tmp_path, "int8", {d: correctness(N, 300) for d in ("math", "code")})
+    write_eval_items(tmp_path, {"math": N, "code": N})
     write_memory(tmp_path, {"int8": memory_row("int8")})
     table = build(tmp_path, ["int8"])
     assert {(r["serve"], r["fallback_under_memory_pressure"], r["reason"]) for r in table["rows"]} == {

@@ -1,0 +1,54 @@
+"""The routing table at serving time: a request's text and length -> the variant that serves it.
+
+Light on purpose: it runs in front of every request, so it imports no torch, numpy or quantgate stage
+module, only the classifier (regular expressions) and the table `quantgate route` wrote. Load it once
+and ask it per request:
+
+    from pipelines.router import Router
+    router = Router.from_file("results/routing_table.json")
+    router.route("What is 12 + 35?", context_tokens=40)["serve"]   # -> "int8"
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+
+from pipelines.classify import classify
+from pipelines.errors import QuantgateError
+
+
+class Router:
+    """Rows of a routing table indexed by (domain, context bucket)."""
+
+    def __init__(self, table: dict):
+        self.buckets: list[int] = sorted(table["buckets"])
+        self.rows: dict[tuple[str, int], dict] = {(r["domain"], r["max_context_tokens"]): r for r in table["rows"]}
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Router:
+        path = Path(path)
+        if not path.is_file():
+            raise QuantgateError(f"{path} not found: run `dvc repro` (or `quantgate route`) first")
+        try:
+            return cls(json.loads(path.read_text(encoding="utf-8")))
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise QuantgateError(f"{path}: not a routing table ({type(err).__name__}: {err})") from None
+
+    def lookup(self, domain: str, context_tokens: int) -> dict:
+        """The row serving `domain` at `context_tokens`: the smallest bucket that holds it."""
+        if context_tokens < 0:
+            raise QuantgateError(f"--context-tokens must be >= 0, got {context_tokens}")
+        at = bisect.bisect_left(self.buckets, context_tokens)
+        if at == len(self.buckets):
+            raise QuantgateError(f"{context_tokens} tokens exceed the largest context bucket ({self.buckets[-1]}); "
+                                 "add a bucket to route.context_buckets in params.yaml")
+        row = self.rows.get((domain, self.buckets[at]))
+        if row is None:
+            raise QuantgateError(f"the routing table has no row for domain {domain!r} (evaluate.domains leaves it out)")
+        return row
+
+    def route(self, text: str, context_tokens: int) -> dict:
+        """Classify the request with the classifier calibration coverage uses, then look its row up."""
+        return self.lookup(classify(text), context_tokens)
