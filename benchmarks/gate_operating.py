@@ -14,8 +14,8 @@ Scenarios (margin 0.05; the false-pass budget is (1 - compare.confidence) / 2, p
   goal <= 0.05, with and without families;
 - a variant exactly as good as fp16 with ~7.5 % of items flipping (goal: passes >= 0.6 at 200 items);
 - a variant 2 points better with ~12 % flips (goal >= 0.7 at 200 items);
-each at one look of 200 items and with the default plan's three looks of 200, 500 and 800 items (Pocock
-spending), with the mean number of items the decision used.
+each at one look of 200 items and with the default plan of a 1000-item pool (looks of 200, 600 and 1000
+items, Pocock spending), with the mean number of items the decision used.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main() -> None:
         args.confidence = load_params(Path(__file__).resolve().parents[1] / "params.yaml").compare.confidence
     alpha = (1 - args.confidence) / 2
     rng = np.random.default_rng(args.seed)
-    single, sequence = [200], sequential.plan(800, 200, None, 3)  # the default plan shape: 200, 500, 800
+    single, sequence = [200], sequential.plan(1000, 200, None, 3)  # the default plan of a 1000-item pool
     rows = [
         ("true drop = margin, independent items", -MARGIN, 0.10, None, "<= 0.05"),
         ("true drop = margin, flips clustered in 8 families", -MARGIN, 0.10, 8, "<= 0.05"),

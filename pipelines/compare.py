@@ -18,6 +18,7 @@ import numpy as np
 
 from pipelines import sequential, stats
 from pipelines.evaluate import EVAL_DIR, PLACEHOLDERS
+from pipelines.errors import QuantgateError
 from pipelines.io import read_json, read_jsonl
 from pipelines.params import CompareParams, EvaluateParams, PolicyParams
 
@@ -40,6 +41,11 @@ def probe_plans(domains: list[str], p: EvaluateParams, eval_dir: Path = EVAL_DIR
         path = eval_dir / domain / "items.jsonl"
         items = read_jsonl(path) if path.is_file() else []
         ids = [str(item.get("id")) for item in items]
+        seen: dict[str, int] = {}
+        for line, item_id in enumerate(ids, start=1):
+            if item_id in seen:  # lm-eval would score one of them twice and the looks would count it twice
+                raise QuantgateError(f"{path}:{line}: duplicate item id {item_id!r} (first on line {seen[item_id]})")
+            seen[item_id] = line
         plans[domain] = {"pool": len(ids), "looks": sequential.plan(len(ids), p.look_items, p.max_items, p.max_looks),
                          "order": sequential.ordered(ids, domain),
                          "families": {str(item.get("id")): str(item.get("family", item.get("id"))) for item in items}}
@@ -247,20 +253,24 @@ def compare_domain(base_rows: dict[str, dict], var_rows: dict[str, dict], probe:
            "task_version": probe.get("task_version"), "metric": probe.get("metric")}
     if verdict == "inconclusive" and paired:
         need = stats.items_to_decide(paired["difference"], paired["flip_rate"], policy.max_accuracy_drop,
-                                     run["alpha"], p.power, paired["design_effect"], paired["degrees_of_freedom"])
+                                     run["alpha"], p.power, paired["design_effect"], paired["degrees_of_freedom"],
+                                     paired["items"])
         row["items_to_decide"] = None if need is None else math.ceil(need)
-        row["reasons"].append(_more_items_advice(need, paired, p.power))
+        row["reasons"].append(_more_items_advice(need, paired, p.power, plan["pool"]))
     return row
 
 
-def _more_items_advice(need: float | None, paired: dict, power: float) -> str:
+def _more_items_advice(need: float | None, paired: dict, power: float, pool: int) -> str:
     """What an inconclusive row tells the user to do."""
     if need is None:
         return "no number of items would decide at the observed difference"
-    if need > paired["items"]:
-        return f"about {math.ceil(need) - paired['items']} more items would decide (at the observed discordance, power {power})"
-    return (f"the flips cluster in few of the {paired['families']} item families (design effect "
-            f"{paired['design_effect']:.1f}): items from more families would decide, not more of the same ones")
+    more = max(1, math.ceil(need) - paired["items"])
+    if paired["items"] + more <= pool:
+        return (f"about {more} more items would decide (at the observed discordance, power {power}): "
+                f"raise evaluate.max_items")
+    return (f"about {more} more items would decide (at the observed discordance, power {power}), more than the "
+            f"{pool}-item pool holds: add items to the domain's eval/<domain>/items.jsonl, from more families "
+            f"if the flips cluster (design effect {paired['design_effect']:.1f})")
 
 
 def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | None, memory: dict,
@@ -278,7 +288,8 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
         if failure:
             reasons.append(failure)
         if mem is None:
-            reasons.append("no memory results")
+            memory_error = (mem_rows.get(name) or {}).get("error")
+            reasons.append(f"memory stage failed: {memory_error}" if memory_error else "no memory results")
         probe = (inputs["eval"] or {}).get("probes", {}).get(domain) if not failure else None
         if not failure and (probe is None or probe.get("status") != "ok"):
             reasons.append(f"probe not run: {(probe or {}).get('reason', 'missing')}")

@@ -169,10 +169,11 @@ def full_text(domain: str, item: dict) -> str:
 
 
 def _interleaved(families: list[str]) -> list[str]:
-    """Families ordered so that `a:x, b:x, a:y, b:y`: a family `direction:source` is spread by direction first."""
+    """Families ordered `a-x, b-x, a-y, b-y`: spread by their kind (the part before the first `-`) first,
+    so `add-1 ... add-9` (additions by tens digit) count as one kind beside `root`, `fraction`, ..."""
     groups: dict[str, list[str]] = {}
     for family in sorted(families):
-        groups.setdefault(family.split(":")[0], []).append(family)
+        groups.setdefault(family.split("-")[0], []).append(family)
     order, queues = [], list(groups.values())
     while any(queues):
         order += [q.pop(0) for q in queues if q]
@@ -181,8 +182,8 @@ def _interleaved(families: list[str]) -> list[str]:
 
 def fidelity_texts(domains: list[str], per_domain: int) -> dict[str, list[str]]:
     """Held-out text per domain: probe prompts with their gold answers, taken round-robin across the pool's
-    families (item `family`; `direction:source` for code comments, spread by direction first), so KL sees
-    every kind of item instead of the first N of one kind."""
+    families (item `family`, spread by kind first: math kinds, code and comment templates, chat intents),
+    so KL sees every kind of item instead of the first N of one kind."""
     texts = {}
     for domain in domains:
         families: dict[str, list[dict]] = {}

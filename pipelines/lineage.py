@@ -43,10 +43,14 @@ def workspace_changes(root: Path = Path(".")) -> list[str]:
 
         with Repo(str(root)) as repo:
             status = repo.status()
+            # a frozen stage's dependencies are not checked by DVC's status: its outputs cannot be vouched for
+            frozen = [stage.addressing for stage in repo.index.stages if stage.frozen]
     except Exception as err:  # noqa: BLE001 - no DVC repository, a broken dvc.yaml: nothing can be trusted
         return [f"DVC cannot check this workspace ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"]
-    lines = []
+    lines = [f"{name}: frozen (dvc unfreeze {name}): DVC does not check what it depends on" for name in frozen]
     for stage, changes in status.items():
+        if not changes or all(not change for change in changes):
+            lines.append(f"{stage}: changed")
         for change in changes:
             if isinstance(change, str):
                 lines.append(f"{stage}: {change}")

@@ -278,12 +278,19 @@ def _median3(values: list[float]) -> list[float]:
 
 
 def warmup_end(values: list[float], tail: int, floor: float) -> int | None:
-    """First measured round after which memory never rises more than `floor` above that round's level
-    (one-off spikes ignored), with at least `tail` rounds to show it. None: it never settled. What comes
-    before it is warm-up: caches and pools filling, which stops; a leak never settles."""
+    """First measured round after which memory never rises more than `floor` above the lowest level seen
+    since that round (one-off spikes ignored), with at least `tail` rounds to show it. None: it never
+    settled. Rises are measured from the running minimum, so memory that drops (a pool handed back) and
+    then grows again is growth. What comes before the returned round is warm-up: caches and pools filling,
+    which stops; a leak never settles. A leak that grows in steps rarer than every `tail` rounds can look
+    settled: raise `memory.tail_rounds` to look for slower ones."""
     smooth = _median3(values)
     for start in range(0, len(smooth) - tail + 1):
-        if max(smooth[start:]) - smooth[start] <= floor:
+        low, rise = smooth[start], 0.0
+        for value in smooth[start:]:
+            low = min(low, value)
+            rise = max(rise, value - low)
+        if rise <= floor:
             return start
     return None
 
@@ -432,6 +439,8 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
         result["sweep"]["theoretical_kv_bytes_per_token"] = kv_bytes_per_token(config, element)
         result["soak"] = soak(model, probe, p, max_len, config.vocab_size, device, leak_bytes_per_round, leak_rounds)
         result["leak"] = leak_verdict(result["soak"], footprint, p)
+        end = probe.snapshot()  # CUDA: OOMs the allocator hit and recovered from (a library caught and retried)
+        result["allocator"] = {"ooms": end["ooms"], "alloc_retries": end["alloc_retries"]}
     except Exception as err:  # noqa: BLE001 - a variant that fails to load is that variant's result
         logging.getLogger().error("memory %s failed", variant_dir, exc_info=True)
         result.update({"status": "failed", "error": f"{type(err).__name__}: {err}"[:2000]})
@@ -483,6 +492,8 @@ def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = "fp16")
         ooms = [f"sweep at {x['tokens']} tokens: {x['oom']}" for x in r["sweep"]["lengths"] if x.get("oom")]
         if r["soak"].get("oom"):
             ooms.append(r["soak"]["oom"])
+        if (r.get("allocator") or {}).get("ooms"):
+            ooms.append(f"the CUDA allocator ran out of memory {r['allocator']['ooms']} times (caught and retried)")
         row = {"status": "ok", "device": r["device"], "footprint_bytes": r["load"]["footprint_bytes"],
                "theoretical_weight_bytes": r["load"]["theoretical_weight_bytes"],
                "peak_by_tokens": {str(x["tokens"]): x.get("decode_peak_increase") for x in r["sweep"]["lengths"]},

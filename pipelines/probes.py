@@ -12,7 +12,7 @@ from pipelines import synthetic
 from pipelines.reference import chat_items
 
 PROBE_SEED = 2024
-POOL = 1000  # items per domain (code: the 301 cases there are): the looks take 200 at a time (evaluate.look_items)
+POOL = 1000  # items per domain (math 2000; code: the 546 cases there are); the first look takes 200 (evaluate.look_items)
 
 
 def math_probes(seed: int = PROBE_SEED, count: int = 2 * POOL) -> list[dict]:

@@ -155,7 +155,8 @@ def _record(client: MlflowClient, params: Params, digest: str, commit: dict, roo
     exp_id = experiment_id(client, params.mlflow.experiment, artifact_root or root / "mlartifacts")
     recorded = find_recorded(client, exp_id, digest)
     finished = [r for r in recorded if r.info.status == "FINISHED"]
-    if finished:
+    if finished:  # the runs are there; the aliases must still say what these results say
+        reconcile_candidate(client, params.registered_model_name(), digest)
         return {"status": "already recorded", "parent_run_id": finished[0].info.run_id, "experiment_id": exp_id,
                 "registered": []}
     for run in recorded:  # a recording that crashed half-way: replace it, never keep a partial copy
@@ -225,6 +226,21 @@ def routing_rows(table: dict) -> list[dict]:
              "checkpoint_sha256": json.dumps(r["provenance"]["checkpoint_sha256"]),
              "calibration_sha256": r["provenance"]["calibration_sha256"],
              "dvc_lock_sha256": r["provenance"]["dvc_lock_sha256"]} for r in table["rows"]]
+
+
+def reconcile_candidate(client: MlflowClient, model_name: str, digest: str) -> None:
+    """Point `candidate` at the newest version registered from these results, or remove it when none passed.
+
+    Results recorded before (a run restored from DVC's run-cache, or params set back to an earlier state)
+    write no new versions, but the alias must not keep naming another result's variant.
+    """
+    if not client.search_registered_models(f"name = '{model_name}'"):
+        return
+    versions = [v for v in client.search_model_versions(f"name = '{model_name}'") if v.tags.get(DIGEST_TAG) == digest]
+    if versions:
+        client.set_registered_model_alias(model_name, CANDIDATE_ALIAS, max(versions, key=lambda v: int(v.version)).version)
+    elif CANDIDATE_ALIAS in client.get_registered_model(model_name).aliases:
+        client.delete_registered_model_alias(model_name, CANDIDATE_ALIAS)
 
 
 def register_passing(client: MlflowClient, model_name: str, report: dict, children: dict[str, str], root: Path,

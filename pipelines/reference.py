@@ -385,15 +385,18 @@ def from_shipped(p: ReferenceParams, out_dir: Path, report_path: Path, shipped: 
         log.info("reference: the shipped model was trained from another recipe (%s): training here",
                  ", ".join(f"reference.{k}" for k in differ) or "the training text differs")
         return None
-    weights = shipped / "model.safetensors"
-    if not weights.is_file() or sha256_file(weights) != shipped_recipe["weights_sha256"]:
-        raise QuantgateError(f"{weights}: missing or not the weights {meta} names (sha256 "
-                             f"{shipped_recipe['weights_sha256'][:12]}...): restore it with git, or retrain with "
-                             "`python scripts/make_reference.py`")
+    recorded = shipped_recipe.get("files") or {}
+    present = {p.name for p in shipped.iterdir() if p.name != "recipe.json"}
+    for name in sorted(present | set(recorded)):
+        path = shipped / name
+        if name not in recorded or not path.is_file() or sha256_file(path) != recorded[name]:
+            what = "is not one of the files" if name not in recorded else "is missing or not the file"
+            raise QuantgateError(f"{path}: {what} {meta} records (weights, tokenizer, config are checked by "
+                                 "sha256): restore reference_model/ with git, or retrain with "
+                                 "`python scripts/make_reference.py`")
     with atomic_dir(out_dir) as tmp:
-        for path in sorted(shipped.iterdir()):
-            if path.is_file() and path.name != "recipe.json":
-                shutil.copy2(path, tmp / path.name)
+        for name in sorted(recorded):
+            shutil.copy2(shipped / name, tmp / name)
     report = {**shipped_recipe["report"], "source": "shipped", "model": str(out_dir)}
     write_json(report_path, report)
     return report
@@ -412,7 +415,9 @@ def ship(p: ReferenceParams, shipped: Path = SHIPPED_DIR) -> dict:
         with atomic_dir(shipped) as out:
             for path in sorted((Path(tmp) / "model").iterdir()):
                 shutil.copy2(path, out / path.name)
-            write_json(out / "recipe.json", {"recipe": recipe(p), "weights_sha256": sha256_file(out / "model.safetensors"),
+            files = {path.name: sha256_file(path) for path in sorted(out.iterdir())}
+            write_json(out / "recipe.json", {"recipe": recipe(p), "weights_sha256": files["model.safetensors"],
+                                             "files": files,
                                              "report": {k: v for k, v in report.items()
                                                         if k not in ("model", "source", "train_seconds")},
                                              "train_seconds": report["train_seconds"],

@@ -128,21 +128,26 @@ def look_alphas(looks: Sequence[int], alpha: float, kind: str) -> list[float]:
     Each look tests at its own increment (a Bonferroni split of the spent alpha), which is conservative:
     it ignores the correlation between looks, so the procedure's false-pass rate stays at or below alpha.
     """
+    if not looks:
+        return []
     total = looks[-1]
     spent = [spent_alpha(n / total, alpha, kind) for n in looks]
     return [s - (spent[i - 1] if i else 0.0) for i, s in enumerate(spent)]
 
 
 def items_to_decide(difference: float, discordance: float, margin: float, alpha: float, power: float,
-                    effect: float = 1.0, df: float | None = None) -> float | None:
+                    effect: float = 1.0, df: float | None = None, items: int | None = None) -> float | None:
     """Items a paired test needs so that, at the observed difference and discordance, the interval's low
     end clears -margin with probability `power` (one-sided `alpha`): (z_a + z_power)^2 (psi - d^2) / (d + m)^2,
     times the design effect. None when the observed difference is at or below -margin (no number of items
-    makes it pass). With `df` (few families) Student's t replaces the normal quantiles."""
+    makes it pass). With `df` (few families) Student's t replaces the normal quantiles; `items` (the count
+    judged so far) floors the discordance at 3/items."""
     gap = difference + margin
     if gap <= 0 or not math.isfinite(gap):
         return None
-    variance = max(discordance - difference**2, 1e-12)
+    # no flips seen is not no flips to come: the rule of three bounds the discordance by 3/items
+    floor = 3 / items if items else 1e-12
+    variance = max(discordance - difference**2, floor)
     quantile = (lambda q: stats.t.ppf(q, df)) if df else stats.norm.ppf
     z = quantile(1 - alpha) + quantile(power)
     return float(effect * z * z * variance / gap**2)

@@ -13,7 +13,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 
 # Small enough to train in seconds, shaped like the reference model: every linear width a multiple of 64
-# (GPTQ/AWQ group size 64; autoawq's clip search also needs output widths divisible by 64).
+# (the default GPTQ/AWQ group size 32 divides it; autoawq's clip search also needs output widths divisible by 64).
 TINY_REFERENCE = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "layers": 1, "heads": 2, "kv_heads": 2,
     "max_position_embeddings": 512, "seq_len": 32, "batch_size": 8, "steps": 30, "held_out_additions": 50,

@@ -408,3 +408,33 @@ def test_few_families_take_students_t_with_one_degree_less():
         stats.tango_interval(0, 4 / effect, N / effect, 0.95, df=7))
     assert row["ci_low"] < stats.tango_interval(0, 4 / effect, N / effect, 0.95)[0]  # wider than with z
     assert stats.paired_comparison(base, variant)["degrees_of_freedom"] is None  # every item its own family
+
+
+def test_duplicate_item_ids_are_refused_with_file_and_line(tmp_path):
+    from pipelines.errors import QuantgateError
+
+    write_jsonl(tmp_path / "eval/math/items.jsonl", [{"id": "a"}, {"id": "b"}, {"id": "a"}])
+    with pytest.raises(QuantgateError, match=r"eval/math/items.jsonl:3: duplicate item id 'a' \(first on line 1\)"):
+        plans(tmp_path, ("math",))
+
+
+def test_no_flips_at_a_small_pool_asks_for_a_sensible_number_of_items(tmp_path):
+    """60 items, no flips: the interval (+-0.06) straddles a 0.05 margin; the advice must not say 1 item."""
+    n = 60
+    write_model(tmp_path, "fp16", {"math": correctness(n, 45)})
+    write_model(tmp_path, "int8", {"math": correctness(n, 45)})
+    write_eval_items(tmp_path, {"math": n})
+    write_memory(tmp_path, {x: memory_row(x) for x in ("fp16", "int8")})
+    row = run_compare(tmp_path, ["int8"], domains=("math",))["variants"]["int8"]["domains"]["math"]
+    assert row["verdict"] == "inconclusive"
+    assert row["items_to_decide"] > 2 * n
+    assert "more than the 60-item pool holds: add items" in row["reasons"][-1]
+
+
+def test_a_failed_memory_stage_is_named(fp16):
+    write_model(fp16, "int8", {d: correctness(N, 300) for d in ("math", "code")})
+    write_memory(fp16, {"fp16": memory_row("fp16"),
+                        "int8": {"status": "failed", "error": "the process measuring x died (killed by SIGKILL)"}})
+    row = run_compare(fp16, ["int8"])["variants"]["int8"]["domains"]["math"]
+    assert row["verdict"] == "fail"
+    assert row["reasons"] == ["memory stage failed: the process measuring x died (killed by SIGKILL)"]

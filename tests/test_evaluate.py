@@ -39,7 +39,7 @@ def test_the_baseline_answers_every_look(baseline):
     plans = plans_for(DOMAINS)
     for domain in ("math", "chat", "code_comment"):
         assert {i["item_id"] for i in items if i["domain"] == domain} == set(plans[domain]["order"][:8])
-        assert len(result["probes"][domain]["blocks"]) == 2  # one lm-eval call per look
+        assert len(result["probes"][domain]["blocks"]) == len(plans[domain]["looks"]) == 3  # one lm-eval call per look
         assert 0.0 <= result["probes"][domain]["score"] <= 1.0
 
 
@@ -77,13 +77,17 @@ def test_fp16_fidelity_against_its_own_base_is_exact(baseline):
     assert all(f["kl"]["max"] < 1e-4 and f["same_top1"] == 1.0 for f in result["fidelity"].values())
 
 
-def test_fidelity_texts_cover_every_family():
-    texts = evaluate.fidelity_texts(["math", "code_comment"], 12)
-    math_kinds = {item["family"] for item in evaluate.probe_items("math")}
-    picked = [item for item in evaluate.probe_items("math") if item["question"] + item["answer"] in texts["math"]]
-    assert len(texts["math"]) == 12 and {item["family"] for item in picked} == math_kinds  # not 12 additions
-    directions = {t.split("\n")[0][:1] for t in texts["code_comment"]}
-    assert len(directions) > 1  # both directions: comment -> code and signature -> docstring
+def test_fidelity_texts_cover_every_kind():
+    """Round-robin over families, spread by kind first: 12 math texts are not 12 additions."""
+    texts = evaluate.fidelity_texts(["math", "code_comment"], 18)
+    items = evaluate.probe_items("math")
+    kinds = {item["kind"] for item in items}
+    picked = [item for item in items if evaluate.full_text("math", item) in texts["math"]]
+    assert len(texts["math"]) == 18 and {item["kind"] for item in picked} == kinds  # 9 kinds, additions one of them
+    assert sum(item["kind"] == "add" for item in picked) <= 10
+    comments = [item for item in evaluate.probe_items("code_comment")
+                if evaluate.full_text("code_comment", item) in texts["code_comment"]]
+    assert len({item["template"] for item in comments}) == 14  # every template before a second phrasing of any
 
 
 def test_code_probes_refused_without_isolation(monkeypatch, tiny_variants, tmp_path):

@@ -245,3 +245,15 @@ def test_promotion_needs_a_passing_gate_and_this_runs_candidate(repo):
     write_pipeline(repo, answers(int8={d: correctness(N, 300, lose=3) for d in ("math", "code")}))  # new results, not recorded
     code, result, _ = run_gate("--variant", "int8", "--promote")
     assert code == 1 and "registered from other results than the current dvc.lock" in result["promotion"]["detail"]
+
+
+def test_a_frozen_stage_cannot_be_vouched_for(repo):
+    """DVC's status skips a frozen stage's dependencies: the gate refuses to decide over it."""
+    from dvc.repo import Repo
+
+    write_pipeline(repo, answers())
+    with Repo(str(repo)) as dvc_repo:
+        dvc_repo.freeze("results")
+    (repo / "models/variants/int8/model.safetensors").write_bytes(b"other weights")
+    code, result, _ = run_gate("--variant", "int8")
+    assert code == 2 and any("results: frozen" in r for r in result["reasons"])

@@ -36,7 +36,7 @@ def test_wrong_type_names_key_line_and_value(tmp_path):
 
 def test_out_of_range_value_is_refused(tmp_path):
     path = write(tmp_path, "reference:\n  hidden_size: 100\n")
-    with pytest.raises(QuantgateError, match=r"reference.hidden_size.*multiple of 64"):
+    with pytest.raises(QuantgateError, match=r"reference.hidden_size.*multiple of 32"):
         load_params(path)
 
 

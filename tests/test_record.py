@@ -125,6 +125,10 @@ def test_a_changed_verdict_is_a_new_parent_run_and_moves_the_registry(recorded):
                 if r.data.tags.get("mlflow.parentRunId") == summary["parent_run_id"] and r.info.run_name == "int8")
     assert int8.data.tags["verdict"] != "pass"
     assert "candidate" not in client.get_registered_model("quantgate-reference").aliases
+    # params set back: those results were recorded already, nothing new is written, and the alias follows
+    again = record.record_pipeline(built["params"], uri, built["digest"], {}, root=root, artifact_root=root / "artifacts")
+    assert again["status"] == "already recorded"
+    assert client.get_model_version_by_alias("quantgate-reference", "candidate").tags["variant"] == "int8"
 
 
 def test_a_half_written_recording_is_replaced(tmp_path):

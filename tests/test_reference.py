@@ -111,6 +111,11 @@ def test_shipped_weights_are_used_only_for_their_own_recipe(tmp_path, tiny_param
     other = tiny_params.model_copy(update={"seed": 1})
     assert reference.from_shipped(other, tmp_path / "elsewhere", tmp_path / "r.json", shipped) is None
 
-    (shipped / "model.safetensors").write_bytes(b"not the shipped weights")
-    with pytest.raises(QuantgateError, match="not the weights"):
+    (shipped / "tokenizer.json").write_text((shipped / "tokenizer.json").read_text().replace("<pad>", "<pqd>"))
+    with pytest.raises(QuantgateError, match="tokenizer.json: is missing or not the file"):
         reference.from_shipped(tiny_params, tmp_path / "again", tmp_path / "r2.json", shipped)
+    reference.ship(tiny_params, shipped)
+    (shipped / "extra.py").write_text("import os\n")
+    with pytest.raises(QuantgateError, match="extra.py: is not one of the files"):
+        reference.from_shipped(tiny_params, tmp_path / "again", tmp_path / "r2.json", shipped)
+    assert not (tmp_path / "again").exists()
