@@ -147,6 +147,9 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
         fails.append(f"KL over {tokens} tokens only (at least {MIN_FIDELITY_TOKENS})")
     if identical:
         fails.append("every response and every token distribution equals fp16's: the variant was not really evaluated")
+    if paired.get("accuracy_fp16") == 0 and paired.get("accuracy") == 0:
+        fails.append(f"fp16 and the variant answer none of the {paired['items']} items correctly: the probes measure "
+                     "nothing here (check the task's answer extraction, or the model is not up to the domain)")
     accuracy, why = sequential.accuracy_rule(paired, margin)
     checks["accuracy_drop"] = {"value": -paired["difference"], "ci_low": paired["ci_low"], "limit": margin,
                                "decision": accuracy}

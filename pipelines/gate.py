@@ -72,8 +72,6 @@ def check_row(name: str, domain: str, row: dict | None, params: Params) -> tuple
         return "fail", [f"{name} {domain}: {r}" for r in row.get("reasons") or ["failed"]]
     reasons = [f"{name} {domain}: {key} is missing or not a number ({value!r})"
                for key, value in _required(row, policy).items() if not usable(value)]
-    if not reasons and row["paired"]["accuracy"] == 0 and row["paired"]["accuracy_fp16"] == 0:
-        reasons.append(f"{name} {domain}: all-zero results for the variant and fp16")
     if reasons:
         return "fail", reasons
     if row.get("verdict") == "inconclusive":

@@ -6,6 +6,7 @@ runs, the entries of every stage before it already name the exact inputs and out
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import subprocess
@@ -71,3 +72,33 @@ def git_commit(cwd: Path = Path(".")) -> dict:
     commit = git("rev-parse", "HEAD")
     status = git("status", "--porcelain", "--untracked-files=no")
     return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def stage_code(command: str, package: Path = Path(__file__).parent) -> list[str]:
+    """The files of `pipelines/` that `quantgate <command>` runs: cli.py, what its cmd_ function imports,
+    and what those import in turn. dvc.yaml lists exactly these as the stage's code deps (tested), so a
+    change to compare.py re-runs compare, route and record, not the quantizers."""
+    tree = ast.parse((package / "cli.py").read_text())
+    function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == f"cmd_{command.replace('-', '_')}")
+    top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]  # not other commands' imports
+    seen = {"__init__", "cli"} | _imported(top_level) | _imported([function])
+    todo = list(seen - {"cli"})  # cli.py's other commands are not this stage's code
+    while todo:
+        for name in _imported(ast.parse((package / f"{todo.pop()}.py").read_text()).body):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return sorted(f"{package.name}/{name}.py" for name in seen)
+
+
+def _imported(nodes: list[ast.stmt]) -> set[str]:
+    """Modules of this package imported anywhere in `nodes`, module level or inside functions."""
+    found = set()
+    for node in (n for top in nodes for n in ast.walk(top)):
+        if isinstance(node, ast.ImportFrom) and node.module == "pipelines":
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipelines."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("pipelines.")}
+    return found

@@ -204,6 +204,17 @@ def test_numbers_that_contradict_each_other_fail_in_judge():
     assert any("does not contain the difference" in r for r in reasons)
 
 
+def test_probes_that_nobody_answers_measure_nothing_and_cannot_pass():
+    policy = PolicyParams(**POLICY)
+    fidelity, memory = {"tokens": 500, "kl": {"p99": 0.1}}, memory_row("int8")
+    nothing = np.zeros(300, bool)  # a broken answer extraction scores fp16 and the variant 0 on every item
+    verdict, reasons, _ = compare.judge(stats.paired_comparison(nothing, nothing), fidelity, memory, policy, False)
+    assert verdict == "fail" and any("answer none of the 300 items" in r for r in reasons)
+    one = nothing.copy()
+    one[7] = True  # one item right on both sides: the probes measure something, and 0 flips of 300 pass
+    assert compare.judge(stats.paired_comparison(one, one), fidelity, memory, policy, False)[0] == "pass"
+
+
 # --- looks: the plan, the order, sequential decisions ----------------------------------------------------
 
 def test_look_plan_and_order():
