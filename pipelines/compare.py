@@ -2,10 +2,10 @@
 
 A verdict is `pass` only when every limit of the domain's policy was checked on a real number:
 a missing, NaN or placeholder value, items that do not pair with fp16's or do not follow the look
-plan, a missing baseline or a failed upstream stage all give `fail` (../shared/notes/references.md,
-gate rules). The accuracy rule is non-inferiority (pipelines/sequential.py): `pass` when the interval's
-low end is at or above -margin, `fail` when the point estimate is below -margin, `inconclusive` only
-when the interval straddles -margin after the last look. `inconclusive` never routes and never releases.
+plan, a missing baseline or a failed upstream stage all give `fail` (the gate then tells a missing
+baseline apart as "could not decide"). The accuracy rule is non-inferiority (pipelines/sequential.py):
+`pass` when the interval's low end is at or above -margin, `fail` when the point estimate is below
+-margin, `inconclusive` only when the interval straddles -margin after the last look. `inconclusive` never routes and never releases.
 `judge` is the one function that turns numbers into a verdict; `gate` calls it again to re-derive.
 """
 
@@ -48,7 +48,9 @@ def probe_plans(domains: list[str], p: EvaluateParams, eval_dir: Path = EVAL_DIR
             seen[item_id] = line
         plans[domain] = {"pool": len(ids), "looks": sequential.plan(len(ids), p.look_items, p.max_items, p.max_looks),
                          "order": sequential.ordered(ids, domain),
-                         "families": {str(item.get("id")): str(item.get("family", item.get("id"))) for item in items}}
+                         # an item without a family (missing or null) is a family of its own
+                         "families": {str(item.get("id")): f"item:{item.get('id')}" if item.get("family") is None
+                                      else str(item["family"]) for item in items}}
     return plans
 
 
@@ -135,11 +137,16 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
                 "interval high end": paired.get("ci_high"), "interval confidence": paired.get("confidence"),
                 "item count": paired.get("items"), "flip rate": paired.get("flip_rate"),
                 f"KL {policy.kl_percentile}": kl, "fidelity tokens": tokens, "memory growth excess": growth}
+    memory, out_of_memory = memory or {}, []
+    if memory.get("oom"):  # named even when the soak stopped too early to give a growth rate
+        out_of_memory.append(f"out of memory: {memory['oom']}")
+    if memory.get("baseline_oom"):
+        out_of_memory.append(f"fp16 ran out of memory ({memory['baseline_oom']}): no baseline growth to compare with")
     for name, value in required.items():
         if not usable(value):
             fails.append(f"{name} is missing or not a number ({value!r})")
     if fails:
-        return "fail", fails, checks
+        return "fail", out_of_memory + fails, checks
     fails += _inconsistent(paired)
     if fails:
         return "fail", fails, checks
@@ -166,8 +173,7 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
         fails.append(f"memory grows {growth:.2f} % of fp16's footprint more than fp16 (limit {policy.max_growth_excess_pct} %)")
     if memory.get("leak"):
         fails.append("memory keeps growing under repeated traffic (leak)")
-    if memory.get("oom"):
-        fails.append(f"out of memory: {memory['oom']}")
+    fails += out_of_memory
     if fails:
         return "fail", fails, checks
     if accuracy == sequential.UNDECIDED:
@@ -212,7 +218,7 @@ def _memory_summary(row: dict | None, base: dict | None) -> dict | None:
     if not row or row.get("status") != "ok":
         return None
     out = {k: row.get(k) for k in ("footprint_bytes", "footprint_saving_pct", "growth_excess_pct",
-                                   "growth_bytes_per_request", "leak", "oom", "fitted_bytes_per_token",
+                                   "growth_bytes_per_request", "leak", "oom", "baseline_oom", "fitted_bytes_per_token",
                                    "theoretical_kv_bytes_per_token", "fragmentation")}
     if base and base.get("status") == "ok":
         out["footprint_delta_bytes"] = row["footprint_bytes"] - base["footprint_bytes"]

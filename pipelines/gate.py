@@ -1,12 +1,12 @@
 """`quantgate gate`: the release verdict CI gates on, failing closed.
 
 Exit 0: every gated variant passed every domain. Exit 1: something failed (a verdict, a missing or
-non-numeric required metric, a missing baseline, a refused promotion). Exit 2: it could not decide
-(the workspace differs from what DVC recorded, compare.json disagrees with its own numbers or with the
+non-numeric required metric, a refused promotion). Exit 2: it could not decide (no usable baseline,
+the workspace differs from what DVC recorded, compare.json disagrees with its own numbers or with the
 per-item records, an `inconclusive` verdict, any exception inside the gate).
 The gate decides only on the workspace it stands in (DVC's own status must be clean) and never trusts
 a verdict field: it re-derives each verdict from compare.json's numbers with compare's own function,
-and recomputes compare.json from the per-item records (../shared/notes/references.md, rules 8 and 9).
+and recomputes compare.json from the per-item records.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def decide(report: dict | None, fresh: dict | None, params: Params, changes: lis
                                  "probe items: run dvc repro")
         return result
     if (fresh.get("fp16") or {}).get("status") != "ok" or (report.get("fp16") or {}).get("status") != "ok":
-        result["verdict"] = "fail"
+        # nothing to judge against says nothing about the variants: could not decide, not their failure
         result["reasons"].append(f"baseline fp16 missing or failed: {(fresh.get('fp16') or {}).get('error')}")
         return result
     outcomes, broken = [], []

@@ -10,6 +10,7 @@ import ast
 import hashlib
 import json
 import subprocess
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -38,17 +39,24 @@ def results_digest(lock_path: Path = Path("dvc.lock")) -> str | None:
 
 def workspace_changes(root: Path = Path(".")) -> list[str]:
     """What DVC's own status finds changed against dvc.lock (params, code, data, outputs), one line each;
-    empty when every stage is up to date. A workspace DVC cannot read is a change too."""
+    empty when every stage is up to date. A workspace DVC cannot read is a change too.
+
+    Every file is hashed anew: DVC's state database (in its site cache) would otherwise take a file whose
+    size and mtime look unchanged for its recorded hash, and a rewrite that restores the mtime would pass.
+    """
     try:
         from dvc.repo import Repo
 
-        with Repo(str(root)) as repo:
+        with tempfile.TemporaryDirectory(prefix="quantgate-dvc-state-") as state, \
+                Repo(str(root), config={"core": {"site_cache_dir": state}}) as repo:
             status = repo.status()
-            # a frozen stage's dependencies are not checked by DVC's status: its outputs cannot be vouched for
-            frozen = [stage.addressing for stage in repo.index.stages if stage.frozen]
+            stages = list(repo.index.stages)
     except Exception as err:  # noqa: BLE001 - no DVC repository, a broken dvc.yaml: nothing can be trusted
         return [f"DVC cannot check this workspace ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"]
-    lines = [f"{name}: frozen (dvc unfreeze {name}): DVC does not check what it depends on" for name in frozen]
+    # a frozen stage's dependencies are not checked by DVC's status: its outputs cannot be vouched for
+    lines = [f"{s.addressing}: frozen (dvc unfreeze {s.addressing}): DVC does not check what it depends on"
+             for s in stages if s.frozen]
+    lines += _declared_against_locked(stages, Path(root) / "dvc.lock")
     for stage, changes in status.items():
         if not changes or all(not change for change in changes):
             lines.append(f"{stage}: changed")
@@ -60,6 +68,35 @@ def workspace_changes(root: Path = Path(".")) -> list[str]:
                 for path, state in (what.items() if isinstance(what, dict) else [(what, "")]):
                     detail = ", ".join(f"{k} {v}" for k, v in state.items()) if isinstance(state, dict) else state
                     lines.append(f"{stage}: {kind}: {path} {detail}".rstrip())
+    return lines
+
+
+def _declared_against_locked(stages: list, lock_path: Path) -> list[str]:
+    """Stages whose dvc.yaml deps or outs are not the ones dvc.lock recorded. DVC's status only checks what
+    dvc.yaml lists now, so deleting a dep from dvc.yaml would hide any change to it."""
+    from dvc.dependency.param import ParamsDependency
+
+    lock = (yaml.safe_load(lock_path.read_text(encoding="utf-8")) or {}).get("stages") or {} if lock_path.is_file() else {}
+    lines = []
+    for stage in stages:
+        entry = lock.get(stage.addressing)
+        if not isinstance(entry, dict) or stage.cmd is None:
+            continue  # never run: DVC's status says so
+        params = {d.def_path: d.params for d in stage.deps if isinstance(d, ParamsDependency)}
+        declared = {
+            "deps": {d.def_path for d in stage.deps if not isinstance(d, ParamsDependency)},
+            "outs": {d.def_path for d in stage.outs},
+            "params": {f"{f}:{k}" for f, keys in params.items() for k in keys or []},
+        }
+        recorded = {
+            "deps": {str(d.get("path")) for d in entry.get("deps") or []},
+            "outs": {str(d.get("path")) for d in entry.get("outs") or []},
+            "params": {f"{f}:{k}" for f, values in (entry.get("params") or {}).items() for k in values or {}},
+        }
+        for kind in declared:
+            if declared[kind] != recorded[kind]:
+                lines.append(f"{stage.addressing}: dvc.yaml's {kind} are not the ones dvc.lock recorded "
+                             f"({', '.join(sorted(declared[kind] ^ recorded[kind]))})")
     return lines
 
 

@@ -472,6 +472,16 @@ def _measure_logged(variant_dir: str, p: MemoryParams, device: str, leak_bytes_p
 # --------------------------------------------------------------------------------------------
 
 
+def _ooms(r: dict) -> str | None:
+    """Every out-of-memory error one variant's measurement saw, with its phase; None when there was none."""
+    ooms = [f"sweep at {x['tokens']} tokens: {x['oom']}" for x in r["sweep"]["lengths"] if x.get("oom")]
+    if r["soak"].get("oom"):
+        ooms.append(r["soak"]["oom"])
+    if (r.get("allocator") or {}).get("ooms"):
+        ooms.append(f"the CUDA allocator ran out of memory {r['allocator']['ooms']} times (caught and retried)")
+    return "; ".join(ooms) or None
+
+
 def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = "fp16") -> dict:
     """Per variant: footprint, peaks, growth rate, leak verdict, OOM, and growth_excess_pct against fp16.
 
@@ -489,11 +499,6 @@ def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = "fp16")
             rows[name] = {"status": "failed", "error": r.get("error", "no result")}
             continue
         growth = r["soak"]["growth_bytes_per_round"]
-        ooms = [f"sweep at {x['tokens']} tokens: {x['oom']}" for x in r["sweep"]["lengths"] if x.get("oom")]
-        if r["soak"].get("oom"):
-            ooms.append(r["soak"]["oom"])
-        if (r.get("allocator") or {}).get("ooms"):
-            ooms.append(f"the CUDA allocator ran out of memory {r['allocator']['ooms']} times (caught and retried)")
         row = {"status": "ok", "device": r["device"], "footprint_bytes": r["load"]["footprint_bytes"],
                "theoretical_weight_bytes": r["load"]["theoretical_weight_bytes"],
                "peak_by_tokens": {str(x["tokens"]): x.get("decode_peak_increase") for x in r["sweep"]["lengths"]},
@@ -502,7 +507,9 @@ def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = "fp16")
                "measured_rounds": len(r["soak"]["rounds"]), "warmup_end_round": r["soak"].get("warmup_end_round"),
                "growth_bytes_per_round": growth,
                "growth_bytes_per_request": None if growth is None else growth / r["soak"]["requests_per_round"],
-               "leak": r["leak"]["leak"], "oom": "; ".join(ooms) or None,
+               "leak": r["leak"]["leak"], "oom": _ooms(r),
+               # fp16 out of memory: its growth is not a baseline to compare with (compare fails the variant)
+               "baseline_oom": _ooms(base) if base_ok and name != baseline else None,
                "fragmentation": r["soak"]["fragmentation"]["one_minus_allocated_over_reserved"],
                "growth_excess_pct": None}
         if base_ok and growth is not None and base_growth is not None:

@@ -29,6 +29,7 @@ from pipelines.route import weights_sha256
 KIND_TAG = "quantgate.kind"
 DIGEST_TAG = "quantgate.results_digest"  # sha256 of every dvc.lock entry but record's (lineage.results_digest)
 CANDIDATE_ALIAS = "candidate"
+COMPLETE_TAG = "quantgate.complete"  # set on the parent run once every child is logged and every version registered
 PRODUCTION_ALIAS = "production"
 
 
@@ -154,7 +155,8 @@ def _record(client: MlflowClient, params: Params, digest: str, commit: dict, roo
     table = read_json(results / "routing_table.json")
     exp_id = experiment_id(client, params.mlflow.experiment, artifact_root or root / "mlartifacts")
     recorded = find_recorded(client, exp_id, digest)
-    finished = [r for r in recorded if r.info.status == "FINISHED"]
+    # complete = finished and its passing variants registered (the tag is set last)
+    finished = [r for r in recorded if r.info.status == "FINISHED" and r.data.tags.get(COMPLETE_TAG) == "true"]
     if finished:  # the runs are there; the aliases must still say what these results say
         reconcile_candidate(client, params.registered_model_name(), digest)
         return {"status": "already recorded", "parent_run_id": finished[0].info.run_id, "experiment_id": exp_id,
@@ -163,6 +165,7 @@ def _record(client: MlflowClient, params: Params, digest: str, commit: dict, roo
         for child in client.search_runs([exp_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'"):
             client.delete_run(child.info.run_id)
         client.delete_run(run.info.run_id)
+    _delete_versions(client, params.registered_model_name(), digest)  # registered by a recording that crashed
 
     names = [BASELINE, *report["variants"]]
     children = {}
@@ -182,6 +185,7 @@ def _record(client: MlflowClient, params: Params, digest: str, commit: dict, roo
         for name in names:
             children[name] = _record_child(name, report, params, root, digest, exp_id)
     registered = register_passing(client, params.registered_model_name(), report, children, root, digest)
+    client.set_tag(parent.info.run_id, COMPLETE_TAG, "true")
     return {"status": "recorded", "parent_run_id": parent.info.run_id, "experiment_id": exp_id,
             "children": children, "registered": registered}
 
@@ -226,6 +230,15 @@ def routing_rows(table: dict) -> list[dict]:
              "checkpoint_sha256": json.dumps(r["provenance"]["checkpoint_sha256"]),
              "calibration_sha256": r["provenance"]["calibration_sha256"],
              "dvc_lock_sha256": r["provenance"]["dvc_lock_sha256"]} for r in table["rows"]]
+
+
+def _delete_versions(client: MlflowClient, model_name: str, digest: str) -> None:
+    """Model versions a half-finished recording of these results registered: they name deleted runs."""
+    if not client.search_registered_models(f"name = '{model_name}'"):
+        return
+    for version in client.search_model_versions(f"name = '{model_name}'"):
+        if version.tags.get(DIGEST_TAG) == digest and set(version.aliases or []) <= {CANDIDATE_ALIAS}:
+            client.delete_model_version(model_name, version.version)  # a promoted version is never deleted
 
 
 def reconcile_candidate(client: MlflowClient, model_name: str, digest: str) -> None:

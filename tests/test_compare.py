@@ -167,6 +167,18 @@ def test_memory_growth_leak_oom_flips_and_kl_limits(fp16):
     assert all(r["verdict"] == "fail" for r in rows.values())
 
 
+def test_an_out_of_memory_error_is_named_even_without_a_growth_rate():
+    policy = PolicyParams(**POLICY)
+    paired = stats.paired_comparison(np.array(correctness(N, 300)), np.array(correctness(N, 300)))
+    fidelity = {"tokens": 500, "kl": {"p99": 0.1}}
+    early = {**memory_row("int8"), "growth_excess_pct": None, "oom": "soak round 0: MemoryError"}  # stopped at round 0
+    verdict, reasons, _ = compare.judge(paired, fidelity, early, policy, False)
+    assert verdict == "fail" and reasons[0] == "out of memory: soak round 0: MemoryError"
+    base_oom = {**memory_row("int8"), "baseline_oom": "sweep at 4096 tokens: OutOfMemoryError"}
+    verdict, reasons, _ = compare.judge(paired, fidelity, base_oom, policy, False)
+    assert verdict == "fail" and reasons[0].startswith("fp16 ran out of memory (sweep at 4096 tokens")
+
+
 def compare_kl():
     from tests.handmade import KL
     return dict(KL)
@@ -361,6 +373,28 @@ def test_tango_interval_holds_its_coverage_with_few_discordant_pairs():
     assert covered / 2000 >= 0.93
 
 
+def clustered_coverage(families: int, per_family: int, runs: int, use_families: bool) -> float:
+    """Share of simulated probe sets whose 95 % interval covers the true difference, when flips cluster:
+    each family's loss propensity is drawn anew (gamma, mean 0.05, CV 1), gains are 2 % everywhere."""
+    rng = np.random.default_rng(11)
+    labels = np.repeat(np.arange(families), per_family)
+    true, covered = 0.02 - 0.98 * 0.05, 0
+    for _ in range(runs):
+        propensity = rng.gamma(1.0, 0.05, families)
+        gained = rng.random(labels.size) < 0.02
+        lost = (rng.random(labels.size) < propensity[labels]) & ~gained
+        r = stats.paired_comparison(~gained, ~lost, families=labels if use_families else None)
+        covered += r["ci_low"] <= true <= r["ci_high"]
+    return covered / runs
+
+
+@pytest.mark.parametrize("families, per_family", [(8, 25), (12, 20)])
+def test_the_clustered_interval_holds_its_coverage_where_the_plain_one_does_not(families, per_family):
+    """The truth here is the simulation's, not the code's: an independent check of the design effect and t."""
+    assert clustered_coverage(families, per_family, 1000, use_families=True) >= 0.94
+    assert clustered_coverage(families, per_family, 1000, use_families=False) < 0.91  # what families are for
+
+
 def test_design_effect_matches_statsmodels_cluster_robust_variance():
     import statsmodels.api as sm
 
@@ -427,6 +461,13 @@ def test_duplicate_item_ids_are_refused_with_file_and_line(tmp_path):
     write_jsonl(tmp_path / "eval/math/items.jsonl", [{"id": "a"}, {"id": "b"}, {"id": "a"}])
     with pytest.raises(QuantgateError, match=r"eval/math/items.jsonl:3: duplicate item id 'a' \(first on line 1\)"):
         plans(tmp_path, ("math",))
+
+
+def test_items_without_a_family_are_each_their_own(tmp_path):
+    write_jsonl(tmp_path / "eval/math/items.jsonl", [{"id": "a", "family": None}, {"id": "b"}, {"id": "c", "family": "x"},
+                                                    {"id": "d", "family": "x"}])
+    families = plans(tmp_path, ("math",))["math"]["families"]
+    assert len({families["a"], families["b"]}) == 2 and families["c"] == families["d"] == "x"
 
 
 def test_no_flips_at_a_small_pool_asks_for_a_sensible_number_of_items(tmp_path):

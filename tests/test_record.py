@@ -147,6 +147,36 @@ def test_a_half_written_recording_is_replaced(tmp_path):
     assert [p.info.run_id for p in parents] == [summary["parent_run_id"]]
 
 
+def test_a_crash_while_registering_is_mended_by_the_next_record(tmp_path, monkeypatch):
+    built = write_pipeline(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
+                                      "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
+                                      "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    real = MlflowClient.create_model_version
+    calls = []
+
+    def crash_on_the_second(self, *args, **kwargs):  # the store goes away after the first version
+        calls.append(args)
+        if len(calls) == 2:
+            raise ConnectionError("tracking server went away")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "create_model_version", crash_on_the_second)
+    with pytest.raises(ConnectionError):
+        record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path, artifact_root=tmp_path / "artifacts")
+    monkeypatch.setattr(MlflowClient, "create_model_version", real)
+    summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
+                                     artifact_root=tmp_path / "artifacts")
+    assert summary["status"] == "recorded"  # not "already recorded": the first one never finished registering
+    name = built["params"].registered_model_name()
+    versions = client.search_model_versions(f"name = '{name}'")
+    assert sorted(v.tags["variant"] for v in versions) == ["awq4", "int8"]  # each once: the partial one is gone
+    assert all(v.run_id in summary["children"].values() for v in versions)
+    candidate = client.get_model_version_by_alias(name, "candidate")
+    assert candidate.tags["variant"] == summary["registered"][-1]["variant"]
+
+
 def test_recording_leaves_the_process_tracking_uri_as_it_was(recorded, monkeypatch):
     import os
 
