@@ -410,15 +410,17 @@ def cmd_gate(args: argparse.Namespace) -> int:
     except Exception as err:  # noqa: BLE001
         print(f"quantgate gate: could not write results/gate.json: {err}", file=sys.stderr)
         return 2
-    print(f"quantgate gate: {result['verdict'].upper()} (exit {result['exit_code']}) for "
-          f"{', '.join(result['gated']) or 'nothing'}")
-    for reason in result["reasons"][:12]:
-        print(f"  - {reason}")
+    lines = [f"quantgate gate: {result['verdict'].upper()} (exit {result['exit_code']}) for "
+             f"{', '.join(result['gated']) or 'nothing'}", *[f"  - {reason}" for reason in result["reasons"][:12]]]
     if len(result["reasons"]) > 12:
-        print(f"  ... {len(result['reasons']) - 12} more in results/gate.json")
+        lines.append(f"  ... {len(result['reasons']) - 12} more in results/gate.json")
     if result.get("promotion"):
-        print(f"  promotion: {result['promotion']['status']}: {result['promotion']['detail']}")
-    print("  results/gate.json, results/report.md")
+        lines.append(f"  promotion: {result['promotion']['status']}: {result['promotion']['detail']}")
+    lines.append("  results/gate.json, results/report.md")
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # `quantgate gate | head -1`: the reader left, the verdict's exit code stands
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return result["exit_code"]
 
 
