@@ -140,8 +140,6 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
     memory, out_of_memory = memory or {}, []
     if memory.get("oom"):  # named even when the soak stopped too early to give a growth rate
         out_of_memory.append(f"out of memory: {memory['oom']}")
-    if memory.get("baseline_oom"):
-        out_of_memory.append(f"fp16 ran out of memory ({memory['baseline_oom']}): no baseline growth to compare with")
     for name, value in required.items():
         if not usable(value):
             fails.append(f"{name} is missing or not a number ({value!r})")
@@ -218,7 +216,7 @@ def _memory_summary(row: dict | None, base: dict | None) -> dict | None:
     if not row or row.get("status") != "ok":
         return None
     out = {k: row.get(k) for k in ("footprint_bytes", "footprint_saving_pct", "growth_excess_pct",
-                                   "growth_bytes_per_request", "leak", "oom", "baseline_oom", "fitted_bytes_per_token",
+                                   "growth_bytes_per_request", "leak", "oom", "fitted_bytes_per_token",
                                    "theoretical_kv_bytes_per_token", "fragmentation")}
     if base and base.get("status") == "ok":
         out["footprint_delta_bytes"] = row["footprint_bytes"] - base["footprint_bytes"]
@@ -326,6 +324,9 @@ def compare_all(variants: list[str], candidates: list[str], plans: dict[str, dic
     base_mem = memory.get("variants", {}).get(BASELINE)
     if base_failure is None and (base_mem is None or base_mem.get("status") != "ok"):
         base_failure = "no memory results"
+    elif base_failure is None and not usable(base_mem.get("growth_bytes_per_round")):
+        # fp16's soak stopped too early (an out-of-memory error, say): no growth for the variants to be held to
+        base_failure = f"fp16's memory soak gave no growth rate ({base_mem.get('oom') or 'too few rounds'})"
     baseline = {"status": "failed" if base_failure else "ok", "error": base_failure,
                 "memory": _memory_summary(base_mem, base_mem), "accuracy": {}}
     if not base_failure:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -44,6 +45,7 @@ def workspace_changes(root: Path = Path(".")) -> list[str]:
     Every file is hashed anew: DVC's state database (in its site cache) would otherwise take a file whose
     size and mtime look unchanged for its recorded hash, and a rewrite that restores the mtime would pass.
     """
+    site_cache = os.environ.pop("DVC_SITE_CACHE_DIR", None)  # it would override the empty state below
     try:
         from dvc.repo import Repo
 
@@ -51,11 +53,19 @@ def workspace_changes(root: Path = Path(".")) -> list[str]:
                 Repo(str(root), config={"core": {"site_cache_dir": state}}) as repo:
             status = repo.status()
             stages = list(repo.index.stages)
+            repo_root = Path(repo.root_dir)
     except Exception as err:  # noqa: BLE001 - no DVC repository, a broken dvc.yaml: nothing can be trusted
         return [f"DVC cannot check this workspace ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"]
+    finally:
+        if site_cache is not None:
+            os.environ["DVC_SITE_CACHE_DIR"] = site_cache
     # a frozen stage's dependencies are not checked by DVC's status: its outputs cannot be vouched for
     lines = [f"{s.addressing}: frozen (dvc unfreeze {s.addressing}): DVC does not check what it depends on"
              for s in stages if s.frozen]
+    # a stage run from another folder hashes other files than the ones the gate reads
+    lines += [f"{s.addressing}: wdir is {os.path.relpath(s.wdir, repo_root)!r}, not the repository root: refused"
+              for s in stages
+              if Path(s.wdir).resolve() != repo_root.resolve()]
     lines += _declared_against_locked(stages, Path(root) / "dvc.lock")
     for stage, changes in status.items():
         if not changes or all(not change for change in changes):
@@ -77,21 +87,25 @@ def _declared_against_locked(stages: list, lock_path: Path) -> list[str]:
     from dvc.dependency.param import ParamsDependency
 
     lock = (yaml.safe_load(lock_path.read_text(encoding="utf-8")) or {}).get("stages") or {} if lock_path.is_file() else {}
-    lines = []
+    # a stage deleted from dvc.yaml leaves its entry, which nothing checks any more, while its outputs stay
+    lines = [f"{name}: in dvc.lock but no longer a stage of dvc.yaml: its outputs cannot be vouched for "
+             "(remove the entry, or restore the stage and dvc repro)" for name in sorted(set(lock) - {s.addressing for s in stages})]
     for stage in stages:
         entry = lock.get(stage.addressing)
         if not isinstance(entry, dict) or stage.cmd is None:
             continue  # never run: DVC's status says so
         params = {d.def_path: d.params for d in stage.deps if isinstance(d, ParamsDependency)}
+        whole = {f for f, keys in params.items() if not keys}  # `- extra.yaml:` tracks every key of the file
         declared = {
             "deps": {d.def_path for d in stage.deps if not isinstance(d, ParamsDependency)},
             "outs": {d.def_path for d in stage.outs},
-            "params": {f"{f}:{k}" for f, keys in params.items() for k in keys or []},
+            "params": {f"{f}:{k}" for f, keys in params.items() for k in keys or ["*"]},
         }
         recorded = {
             "deps": {str(d.get("path")) for d in entry.get("deps") or []},
             "outs": {str(d.get("path")) for d in entry.get("outs") or []},
-            "params": {f"{f}:{k}" for f, values in (entry.get("params") or {}).items() for k in values or {}},
+            "params": {f"{f}:{'*' if f in whole else k}" for f, values in (entry.get("params") or {}).items()
+                       for k in values or {}},
         }
         for kind in declared:
             if declared[kind] != recorded[kind]:

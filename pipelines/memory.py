@@ -508,8 +508,6 @@ def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = "fp16")
                "growth_bytes_per_round": growth,
                "growth_bytes_per_request": None if growth is None else growth / r["soak"]["requests_per_round"],
                "leak": r["leak"]["leak"], "oom": _ooms(r),
-               # fp16 out of memory: its growth is not a baseline to compare with (compare fails the variant)
-               "baseline_oom": _ooms(base) if base_ok and name != baseline else None,
                "fragmentation": r["soak"]["fragmentation"]["one_minus_allocated_over_reserved"],
                "growth_excess_pct": None}
         if base_ok and growth is not None and base_growth is not None:

@@ -158,6 +158,41 @@ def test_a_dependency_dropped_from_dvc_yaml_cannot_hide_an_edit(repo):
     assert code == 2 and "  results: dvc.yaml's deps are not the ones dvc.lock recorded (eval)" in result["reasons"]
 
 
+def test_a_stage_deleted_from_dvc_yaml_cannot_hide_an_edit(repo):
+    write_pipeline(repo, answers())
+    dvc_yaml = repo / "dvc.yaml"
+    stages = yaml.safe_load(dvc_yaml.read_text())
+    del stages["stages"]["results"]  # its dvc.lock entry stays, and nothing would check it any more
+    dvc_yaml.write_text(yaml.safe_dump(stages))
+    code, result, _ = run_gate("--variant", "int8")
+    assert code == 2 and any(r.startswith("  results: in dvc.lock but no longer a stage of dvc.yaml")
+                             for r in result["reasons"])
+
+
+def test_a_stage_run_from_another_folder_is_refused(repo):
+    write_pipeline(repo, answers())
+    dvc_yaml = repo / "dvc.yaml"
+    stages = yaml.safe_load(dvc_yaml.read_text())
+    stages["stages"]["results"]["wdir"] = "shadow"  # DVC would hash shadow/'s copies, the gate reads ./results
+    dvc_yaml.write_text(yaml.safe_dump(stages))
+    code, result, _ = run_gate("--variant", "int8")
+    assert code == 2 and any("wdir is 'shadow', not the repository root" in r for r in result["reasons"])
+
+
+def test_an_outside_dvc_state_directory_does_not_spare_the_rehash(repo, monkeypatch):
+    import os
+
+    write_pipeline(repo, answers())
+    monkeypatch.setenv("DVC_SITE_CACHE_DIR", str(repo / "ci-cache"))  # what a CI cache of DVC's state sets
+    manifest = repo / "models/variants/int8/quantgate.json"
+    before = manifest.stat()
+    manifest.write_text(manifest.read_text().replace(" ", "\t", 1))
+    os.utime(manifest, ns=(before.st_atime_ns, before.st_mtime_ns))
+    code, result, _ = run_gate("--variant", "int8")
+    assert code == 2 and "changed deps: models/variants modified" in "\n".join(result["reasons"])
+    assert os.environ["DVC_SITE_CACHE_DIR"] == str(repo / "ci-cache")  # put back for whoever set it
+
+
 def test_deleted_evaluation_results_cannot_pass(repo):
     write_pipeline(repo, answers())
     shutil.rmtree(repo / "results/eval/int8")
