@@ -30,20 +30,18 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT))
+
+from tests.test_pipeline_e2e import repo_copy  # noqa: E402
 
 
 def fresh_copy(dest: Path) -> Path:
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
-    for name in filter(None, files):
-        if (ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, dest / name)
-    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
-    subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
+    """This checkout as a clean clone has it (the e2e test's copy), committed so DVC sees a git repository."""
+    repo = repo_copy(dest)
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     subprocess.run(["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost", "commit", "-qm", "fresh"],
-                   cwd=dest, check=True)
-    return dest
+                   cwd=repo, check=True)
+    return repo
 
 
 def repro(repo: Path) -> tuple[float, list[str]]:
@@ -92,7 +90,6 @@ def main() -> None:
         line("quantgate route lookup, wall (median of 5)", statistics.median(walls), "s", 0.5)
         line("quantgate route lookup, peak RSS (median of 5)", statistics.median(peaks), "MiB", 80)
 
-        sys.path.insert(0, str(repo))
         from pipelines.router import Router
 
         router = Router.from_file(repo / "results/routing_table.json")
