@@ -80,9 +80,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    """Quantize one variant; its failure is recorded in its manifest and the stage still succeeds."""
+    """Quantize one variant in its own process; its failure (an exception, a crash, a hang past
+    quantize.timeout_seconds) is recorded in its manifest and the stage still succeeds."""
     from pipelines import quantize
     from pipelines.io import write_json
+    from pipelines.isolation import run_isolated
     from pipelines.models import resolve_device, resolve_model
     from pipelines.params import load_params
 
@@ -94,8 +96,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     source = resolve_model(params.model)
     device = resolve_device(params.device)
     with logs.progress(total=1, desc=f"quantize {args.variant} ({settings.method})", bar_format="{desc}: {elapsed}") as bar:
-        manifest, timing = quantize.quantize_variant(args.variant, settings, source, Path("calibration_sets/built"), device)
+        done, error = run_isolated(quantize.quantize_variant,
+                                   (args.variant, settings, source, Path("calibration_sets/built"), device),
+                                   params.quantize.timeout_seconds, f"quantize {args.variant}", logs.current_log_file)
         bar.update()
+    manifest, timing = (quantize.record_failure(args.variant, settings, source, device, error), {}) if error else done
     write_json(RESULTS / "quantize" / f"{args.variant}.json", {"variant": args.variant, "status": manifest["status"],
                                                                **timing})
     if manifest["status"] == "ok":
@@ -197,27 +202,36 @@ def _log_probes(name: str, result: dict) -> None:
         if row["status"] != "ok":
             log.warning("evaluate %s %-12s REFUSED: %s", name, domain, row["reason"])
             continue
-        fid = result["fidelity"][domain]
+        fid = result["fidelity"][domain.split(":")[0]]  # a standard task row `<domain>:<task>` has its domain's
         log.info("evaluate %s %-12s %s %.3f (%d items)  KL mean %.5f  same top-1 %.1f%%", name, domain,
                  row["metric"], row["score"], row["items"], fid["kl"]["mean"], 100 * fid["same_top1"])
 
 
 def cmd_baseline(args: argparse.Namespace) -> int:
-    """fp16 answers every look of every probe pool, and its next-token distributions are stored once."""
+    """fp16 answers every look of every probe pool, and its next-token distributions are stored once.
+
+    In its own process; a crash or a run past evaluate.timeout_seconds stops the pipeline with the cause."""
     from pipelines import compare, evaluate
     from pipelines.io import write_json, write_jsonl
+    from pipelines.isolation import run_isolated
     from pipelines.models import VARIANTS_DIR, resolve_device
     from pipelines.params import load_params
 
     params = load_params()
     p = params.evaluate
     plans = compare.probe_plans(p.domains, p)
+    staged = FIDELITY_BASE.with_name(f".{FIDELITY_BASE.name}.new")  # in place only together with the records
     with logs.progress(total=1, desc="baseline fp16 (every look)", bar_format="{desc}: {elapsed}") as bar:
-        result, items = evaluate.evaluate_variant(str(VARIANTS_DIR / BASELINE), plans, p, resolve_device(params.device),
-                                                  FIDELITY_BASE)
+        done, error = run_isolated(evaluate.evaluate_variant,
+                                   (str(VARIANTS_DIR / BASELINE), plans, p, resolve_device(params.device), staged),
+                                   p.timeout_seconds, f"evaluate {BASELINE}", logs.current_log_file)
         bar.update()
-    if result["status"] != "ok":  # no baseline, no A/B: stop here rather than judge against nothing
+    result, items = done or ({"error": error}, [])
+    if error or result["status"] != "ok":  # no baseline, no A/B: stop here rather than judge against nothing
+        for leftover in (staged, staged.with_name(f".{staged.name}.tmp")):  # also what a killed process left
+            leftover.unlink(missing_ok=True)
         raise QuantgateError(f"the fp16 baseline could not be evaluated: {result['error']}")
+    os.replace(staged, FIDELITY_BASE)
     write_jsonl(BASELINE_RESULTS / "items.jsonl", items)
     write_json(BASELINE_RESULTS / "eval.json", result)
     _log_probes(BASELINE, result)
@@ -226,9 +240,11 @@ def cmd_baseline(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    """Probes through lm-eval (per item, look by look against fp16's answers) and fidelity against fp16."""
+    """Probes through lm-eval (per item, look by look against fp16's answers) and fidelity against fp16, in the
+    variant's own process: a crash or a run past evaluate.timeout_seconds is that variant's recorded failure."""
     from pipelines import compare, evaluate
     from pipelines.io import atomic_write_text, read_json, read_jsonl, write_json, write_jsonl
+    from pipelines.isolation import run_isolated
     from pipelines.models import VARIANTS_DIR, resolve_device
     from pipelines.params import load_params
 
@@ -244,9 +260,14 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     base_rows = read_jsonl(BASELINE_RESULTS / "items.jsonl")
     baseline = {d: compare.correctness(compare.by_id(base_rows, d)) for d in plans}
     with logs.progress(total=1, desc=f"evaluate {args.variant}", bar_format="{desc}: {elapsed}") as bar:
-        result, items = evaluate.evaluate_variant(str(VARIANTS_DIR / args.variant), plans, p,
-                                                  resolve_device(params.device), FIDELITY_BASE, baseline, params.compare)
+        device = resolve_device(params.device)
+        done, error = run_isolated(evaluate.evaluate_variant,
+                                   (str(VARIANTS_DIR / args.variant), plans, p, device, FIDELITY_BASE, baseline,
+                                    params.compare),
+                                   p.timeout_seconds, f"evaluate {args.variant}", logs.current_log_file)
         bar.update()
+    result, items = ({"variant": args.variant, "device": device, "batch_size": p.batch_size, "status": "failed",
+                      "error": error}, []) if error else done
     write_jsonl(EVAL_RESULTS / args.variant / "items.jsonl", items)
     write_json(EVAL_RESULTS / f"{args.variant}.json", result)
     _log_probes(args.variant, result)
@@ -349,9 +370,25 @@ def cmd_record(args: argparse.Namespace) -> int:
         if summary["registered"]:
             log.info("record: alias 'candidate' -> version %s (%s)", summary["registered"][-1]["version"],
                      summary["registered"][-1]["variant"])
-        else:
+        elif not summary.get("unregistered"):
             log.info("record: no variant passed every domain: nothing registered, alias 'candidate' removed")
+        for row in summary.get("unregistered") or []:
+            log.warning("record: %s passed but is NOT registered: %s", row["variant"], row["reason"])
     log.info("record: `quantgate ui` opens the MLflow UI")
+    return 0
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """Download the checkpoint behind a registry alias or version and verify every file's sha256."""
+    from pipelines import record
+    from pipelines.params import load_params
+
+    name = args.model or load_params().registered_model_name()
+    with logs.library_output("mlflow"):
+        got = record.fetch_checkpoint(tracking_uri(), name, args.ref, Path(args.dest) if args.dest else None)
+    aliases = f", alias {', '.join(got['aliases'])}" if got["aliases"] else ""
+    log.info("fetch: %s version %s (%s%s) %s %s: %d files verified, sha256 %s", name, got["version"], got["variant"],
+             aliases, "is already in" if got["status"] == "already there" else "->", got["dest"], got["files"], got["sha256"])
     return 0
 
 
@@ -509,6 +546,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when the gate passes, move the registry alias 'production' to 'candidate' "
                         "unless it regresses against the current production version")
     p.set_defaults(func=cmd_gate)
+
+    p = sub.add_parser("fetch", help="download the checkpoint behind a registry alias or version and verify its "
+                                     "sha256 per file (exit 2 naming the file that differs or is missing)")
+    p.add_argument("ref", metavar="ALIAS_OR_VERSION", help="production, candidate, or a version number (3 or v3)")
+    p.add_argument("--model", metavar="NAME", help="registered model (default: quantgate-<model> from params.yaml)")
+    p.add_argument("--dest", metavar="DIR", help="where to put it (default: models/fetched/<NAME>-v<version>); "
+                                                 "an existing non-empty DIR is only accepted when it holds those bytes")
+    p.set_defaults(func=cmd_fetch)
 
     p = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 over the local tracking store")
     p.add_argument("--port", type=int, default=5000)

@@ -7,6 +7,11 @@ baseline apart as "could not decide"). The accuracy rule is non-inferiority (pip
 `pass` when the interval's low end is at or above -margin, `fail` when the point estimate is below
 -margin, `inconclusive` only when the interval straddles -margin after the last look. `inconclusive` never routes and never releases.
 `judge` is the one function that turns numbers into a verdict; `gate` calls it again to re-derive.
+A standard lm-eval task (`evaluate.tasks`) is its own row `<domain>:<task>` beside the domain's row, judged
+the same way under the domain's policy; `judge` also takes the domain's task-row verdicts, so the domain's
+row is the worst of its own and its task rows' (a failing task row fails it, an inconclusive one leaves it
+inconclusive unless it fails on its own), and gate and route, which read the domain's row, hold the domain to
+every row.
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines import sequential, stats
-from pipelines.evaluate import EVAL_DIR, PLACEHOLDERS
+from pipelines import sequential, standard_tasks, stats
+from pipelines.evaluate import EVAL_DIR, PLACEHOLDERS, row_of
 from pipelines.errors import QuantgateError
 from pipelines.io import read_json, read_jsonl
 from pipelines.params import CompareParams, EvaluateParams, PolicyParams
@@ -35,7 +40,11 @@ def usable(value) -> bool:
 
 
 def probe_plans(domains: list[str], p: EvaluateParams, eval_dir: Path = EVAL_DIR) -> dict[str, dict]:
-    """Per domain: the pool size, the look sizes, the pool's evaluation order and each item's family."""
+    """Per row: the pool size, the look sizes, the pool's evaluation order and each item's family.
+
+    Rows are the domains, then each domain's standard tasks (`<domain>:<task>`, items `<task>:<doc_id>`, each
+    its own family; the plan also keeps the row's domain, task and settings).
+    """
     plans = {}
     for domain in domains:
         path = eval_dir / domain / "items.jsonl"
@@ -51,6 +60,13 @@ def probe_plans(domains: list[str], p: EvaluateParams, eval_dir: Path = EVAL_DIR
                          # an item without a family (missing or null) is a family of its own
                          "families": {str(item.get("id")): f"item:{item.get('id')}" if item.get("family") is None
                                       else str(item["family"]) for item in items}}
+    for domain in domains:
+        for spec in p.tasks.get(domain, []):
+            key = standard_tasks.row_key(domain, spec.name)
+            ids = [standard_tasks.item_id(spec.name, n) for n in range(standard_tasks.doc_count(domain, spec, str(eval_dir)))]
+            plans[key] = {"pool": len(ids), "looks": sequential.plan(len(ids), p.look_items, p.max_items, p.max_looks),
+                          "order": sequential.ordered(ids, key), "families": {i: f"item:{i}" for i in ids},
+                          "domain": domain, "task": spec.name, "spec": spec.model_dump()}
     return plans
 
 
@@ -92,8 +108,8 @@ def _upstream_failure(inputs: dict | None) -> str | None:
 
 
 def by_id(items: list[dict], domain: str) -> dict[str, dict]:
-    """One domain's per-item records keyed by their stable item id."""
-    return {str(row.get("item_id")): row for row in items if row.get("domain") == domain}
+    """One row's per-item records keyed by their stable item id: a domain's probe items, or `<domain>:<task>`'s."""
+    return {str(row.get("item_id")): row for row in items if row_of(row) == domain}
 
 
 def pairing_problems(base: dict[str, dict], variant: dict[str, dict], ids: list[str],
@@ -111,6 +127,10 @@ def pairing_problems(base: dict[str, dict], variant: dict[str, dict], ids: list[
               != (variant[i].get("doc_hash"), variant[i].get("prompt_hash"))]
     if differ:
         problems.append(f"{len(differ)} items have other prompts than {base_name}'s (e.g. {differ[0]})")
+    differ = [i for i in both if base[i].get("filter") != variant[i].get("filter")]
+    if differ:  # a standard task's answers extracted by another filter are not the same measurement
+        problems.append(f"{len(differ)} items were scored through another lm-eval filter than {base_name}'s "
+                        f"(e.g. {differ[0]}: {variant[differ[0]].get('filter')!r} vs {base[differ[0]].get('filter')!r})")
     if any(not isinstance(base[i].get("correct"), bool) or not isinstance(variant[i].get("correct"), bool) for i in both):
         problems.append("an item has no true/false correctness")
     return problems
@@ -121,13 +141,17 @@ def correctness(rows: dict[str, dict]) -> dict[str, bool]:
 
 
 def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, policy: PolicyParams,
-          identical: bool) -> tuple[str, list[str], dict]:
+          identical: bool, tasks: dict[str, dict] | None = None) -> tuple[str, list[str], dict]:
     """Verdict, reasons and the value/limit of each check, for one variant and domain.
 
     The accuracy part is sequential.accuracy_rule on the decisive look's numbers; every other limit is
-    a hard limit (flips, KL, memory growth beyond fp16's, a leak, an out-of-memory error).
+    a hard limit (flips, KL, memory growth beyond fp16's, a leak, an out-of-memory error). `tasks`: the
+    domain's standard-task rows ({row: {"verdict", "reasons"}}, as compare.json keeps them in the domain's
+    row): one that fails (or has no known verdict) fails the domain, one that is inconclusive makes an
+    otherwise passing domain inconclusive.
     """
     fails, checks = [], {}
+    task_fails, task_open = _task_verdicts(tasks)
     paired = paired or {}
     margin = policy.max_accuracy_drop
     kl = (fidelity or {}).get("kl", {}).get(policy.kl_percentile)
@@ -144,10 +168,10 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
         if not usable(value):
             fails.append(f"{name} is missing or not a number ({value!r})")
     if fails:
-        return "fail", out_of_memory + fails, checks
+        return "fail", out_of_memory + fails + task_fails, checks
     fails += _inconsistent(paired)
     if fails:
-        return "fail", fails, checks
+        return "fail", fails + task_fails, checks
     if tokens < MIN_FIDELITY_TOKENS:
         fails.append(f"KL over {tokens} tokens only (at least {MIN_FIDELITY_TOKENS})")
     if identical:
@@ -171,12 +195,25 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
         fails.append(f"memory grows {growth:.2f} % of fp16's footprint more than fp16 (limit {policy.max_growth_excess_pct} %)")
     if memory.get("leak"):
         fails.append("memory keeps growing under repeated traffic (leak)")
-    fails += out_of_memory
+    fails += out_of_memory + task_fails
     if fails:
         return "fail", fails, checks
-    if accuracy == sequential.UNDECIDED:
-        return "inconclusive", [why], checks
-    return "pass", [f"{why}; every limit met"], checks
+    if accuracy == sequential.UNDECIDED or task_open:
+        return "inconclusive", ([why] if accuracy == sequential.UNDECIDED else []) + task_open, checks
+    return "pass", [f"{why}; every limit met" + (f"; task rows {', '.join(tasks)} pass" if tasks else "")], checks
+
+
+def _task_verdicts(tasks: dict[str, dict] | None) -> tuple[list[str], list[str]]:
+    """(why the domain fails, why it is inconclusive) from its task rows' verdicts."""
+    fails, open_ = [], []
+    for key, row in (tasks or {}).items():
+        verdict = (row or {}).get("verdict")
+        why = f"task row {key} did not pass ({verdict}): {'; '.join((row or {}).get('reasons') or [])}"
+        if verdict == "inconclusive":
+            open_.append(why)
+        elif verdict != "pass":
+            fails.append(why)
+    return fails, open_
 
 
 def _inconsistent(paired: dict) -> list[str]:
@@ -195,10 +232,11 @@ def _inconsistent(paired: dict) -> list[str]:
 
 
 def rederive(paired: dict | None, fidelity: dict | None, memory: dict | None, policy: PolicyParams, identical: bool,
-             problems: list[str]) -> tuple[str, list[str], dict]:
-    """The verdict of one compare.json row from its own numbers: records that do not follow the plan fail,
-    everything else is `judge`'s. compare writes it, gate re-derives it, and the two must agree."""
-    verdict, why, checks = judge(paired, fidelity, memory, policy, identical)
+             problems: list[str], tasks: dict[str, dict] | None = None) -> tuple[str, list[str], dict]:
+    """The verdict of one compare.json row from its own numbers (and, for a domain's row, its task rows'
+    verdicts it keeps under `tasks`): records that do not follow the plan fail, everything else is `judge`'s.
+    compare writes it, gate re-derives it, and the two must agree."""
+    verdict, why, checks = judge(paired, fidelity, memory, policy, identical, tasks)
     if problems:
         return "fail", problems + why, checks
     return verdict, why, checks
@@ -226,8 +264,13 @@ def _memory_summary(row: dict | None, base: dict | None) -> dict | None:
 
 
 def compare_domain(base_rows: dict[str, dict], var_rows: dict[str, dict], probe: dict, fid: dict | None,
-                   mem: dict | None, plan: dict, policy: PolicyParams, p: CompareParams) -> dict:
-    """One variant and domain: run the looks, check the records follow the look plan, then judge."""
+                   mem: dict | None, plan: dict, policy: PolicyParams, p: CompareParams,
+                   task_rows: dict[str, dict] | None = None) -> dict:
+    """One variant and row: run the looks, check the records follow the look plan, then judge.
+
+    `task_rows`: the domain's standard-task rows, already judged; `judge` weighs their verdicts (kept in the
+    row under `tasks`, so the gate re-derives the same verdict).
+    """
     order, looks = plan["order"], plan["looks"]
     problems = [] if looks else ["the probe pool is empty"]
     cap = looks[-1] if looks else 0
@@ -246,28 +289,32 @@ def compare_domain(base_rows: dict[str, dict], var_rows: dict[str, dict], probe:
     paired = run["paired"]
     if paired and usable(probe.get("score")) and abs(probe["score"] - paired["accuracy"]) > 1e-9 and not problems:
         problems.append(f"lm-eval score {probe['score']} disagrees with the per-item accuracy {paired['accuracy']}")
+    tasks = {key: {"verdict": row.get("verdict"), "reasons": list(row.get("reasons") or [])}
+             for key, row in (task_rows or {}).items()}
     identical = bool(needed) and all(base_rows[i].get("response") == var_rows[i].get("response")
                                      for i in needed if i in base_rows and i in var_rows) \
         and bool(fid) and fid.get("kl", {}).get("max") == 0
     if paired is None:
-        verdict, why, checks = "fail", problems or [run["reason"]], {}
+        verdict, why, checks = "fail", (problems or [run["reason"]]) + _task_verdicts(tasks)[0], {}
     else:
-        verdict, why, checks = rederive(paired, fid, mem, policy, identical, problems)
+        verdict, why, checks = rederive(paired, fid, mem, policy, identical, problems, tasks)
     row = {"verdict": verdict, "reasons": why, "paired": paired, "record_problems": problems,
            "identical_to_fp16": identical,
            "looks": {k: run.get(k) for k in ("look", "looks", "alpha", "alpha_total", "spending", "history")},
            "fidelity": _fidelity_summary(fid), "checks": checks, "policy": policy.model_dump(),
            "task_version": probe.get("task_version"), "metric": probe.get("metric")}
-    if verdict == "inconclusive" and paired:
+    if tasks:
+        row["tasks"] = tasks
+    if verdict == "inconclusive" and paired and checks["accuracy_drop"]["decision"] == sequential.UNDECIDED:
         need = stats.items_to_decide(paired["difference"], paired["flip_rate"], policy.max_accuracy_drop,
                                      run["alpha"], p.power, paired["design_effect"], paired["degrees_of_freedom"],
                                      paired["items"])
         row["items_to_decide"] = None if need is None else math.ceil(need)
-        row["reasons"].append(_more_items_advice(need, paired, p.power, plan["pool"]))
+        row["reasons"].append(_more_items_advice(need, paired, p.power, plan["pool"], plan.get("task")))
     return row
 
 
-def _more_items_advice(need: float | None, paired: dict, power: float, pool: int) -> str:
+def _more_items_advice(need: float | None, paired: dict, power: float, pool: int, task: str | None = None) -> str:
     """What an inconclusive row tells the user to do."""
     if need is None:
         return "no number of items would decide at the observed difference"
@@ -275,6 +322,9 @@ def _more_items_advice(need: float | None, paired: dict, power: float, pool: int
     if paired["items"] + more <= pool:
         return (f"about {more} more items would decide (at the observed discordance, power {power}): "
                 f"raise evaluate.max_items")
+    if task:
+        return (f"about {more} more items would decide (at the observed discordance, power {power}), more than "
+                f"task {task}'s {pool} evaluation docs hold")
     return (f"about {more} more items would decide (at the observed discordance, power {power}), more than the "
             f"{pool}-item pool holds: add items to the domain's eval/<domain>/items.jsonl, from more families "
             f"if the flips cluster (design effect {paired['design_effect']:.1f})")
@@ -287,8 +337,10 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
     mem_rows = memory.get("variants", {})
     mem = _memory_summary(mem_rows.get(name), mem_rows.get(BASELINE))
     row = {"kind": inputs.get("kind", "variant"), "memory": mem, "domains": {}}
-    for domain, plan in plans.items():
-        policy = p.policy_for(domain)
+    judged: dict[str, dict] = {}
+    # task rows first: the domain's row needs their verdicts
+    for domain, plan in sorted(plans.items(), key=lambda kv: not standard_tasks.is_task_row(kv[0])):
+        policy = p.policy_for(plan.get("domain", domain))
         reasons = []
         if base_failure:
             reasons.append(f"baseline fp16 unusable: {base_failure}")
@@ -301,11 +353,13 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
         if not failure and (probe is None or probe.get("status") != "ok"):
             reasons.append(f"probe not run: {(probe or {}).get('reason', 'missing')}")
         if reasons:
-            row["domains"][domain] = {"verdict": "fail", "reasons": reasons, "policy": policy.model_dump()}
+            judged[domain] = {"verdict": "fail", "reasons": reasons, "policy": policy.model_dump()}
             continue
-        fid = (inputs["eval"].get("fidelity") or {}).get(domain)
-        row["domains"][domain] = compare_domain(by_id(base_inputs["items"], domain), by_id(inputs["items"], domain),
-                                                probe, fid, mem, plan, policy, p)
+        fid = (inputs["eval"].get("fidelity") or {}).get(plan.get("domain", domain))
+        tasks = {k: judged[k] for k, other in plans.items() if other.get("domain") == domain and k in judged}
+        judged[domain] = compare_domain(by_id(base_inputs["items"], domain), by_id(inputs["items"], domain),
+                                        probe, fid, mem, plan, policy, p, tasks)
+    row["domains"] = {key: judged[key] for key in plans}
     verdicts = [d["verdict"] for d in row["domains"].values()]
     row["verdict"] = next((v for v in ("fail", "inconclusive") if v in verdicts), "pass") if verdicts else "fail"
     return row
@@ -333,7 +387,8 @@ def compare_all(variants: list[str], candidates: list[str], plans: dict[str, dic
         for domain in plans:
             rows = by_id(inputs[BASELINE]["items"], domain)
             baseline["accuracy"][domain] = float(np.mean([r.get("correct") is True for r in rows.values()])) if rows else None
-    out = {"baseline": BASELINE, "fp16": baseline, "domains": list(plans), "plans": plan_summary(plans),
+    out = {"baseline": BASELINE, "fp16": baseline, "domains": [d for d in plans if not standard_tasks.is_task_row(d)],
+           "plans": plan_summary(plans),
            "settings": {"confidence": p.confidence, "alpha": p.alpha, "spending": p.spending, "power": p.power},
            "variants": {}}
     for name in names[1:]:

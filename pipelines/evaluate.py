@@ -3,7 +3,8 @@
 Each variant is loaded once through the shared loader and wrapped in lm-eval's HFLM; every item's
 target, response and correctness is kept under its stable id (`doc.id`, with lm-eval's doc and
 prompt hashes) so the A/B stage can pair items across variants. Batch size and seeds are fixed:
-lm-eval scores can move with batch size.
+lm-eval scores can move with batch size. Standard lm-eval tasks listed in `evaluate.tasks` run in the
+same calls, as rows `<domain>:<task>` with item ids `<task>:<doc_id>` (pipelines/standard_tasks.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-from pipelines import fidelity
+from pipelines import fidelity, standard_tasks
 from pipelines.logs import library_output
 from pipelines.models import load_variant
 
@@ -47,6 +48,14 @@ def _number(value):
     return float(value)
 
 
+def row_of(record: dict) -> str:
+    """The row a per-item record is judged in: its domain for the domain's probe task, else `<domain>:<task>`."""
+    domain, task = record.get("domain"), record.get("task")
+    if task is None or task == PROBES.get(domain, (None,))[0]:
+        return domain
+    return standard_tasks.row_key(domain, task)
+
+
 def probe_items(domain: str) -> list[dict]:
     """A domain's probe pool, in file order (lm-eval's doc ids are positions in this file)."""
     from pipelines.io import read_jsonl
@@ -55,11 +64,15 @@ def probe_items(domain: str) -> list[dict]:
 
 
 def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int,
-               allow_unisolated_code: bool = False) -> tuple[dict, list[dict]]:
-    """(summary per domain, per-item records) of one lm_eval.simple_evaluate call over the given doc ids.
+               allow_unisolated_code: bool = False, configs: dict[str, dict] | None = None) -> tuple[dict, list[dict]]:
+    """(summary per row, per-item records) of one lm_eval.simple_evaluate call over the given doc ids.
 
-    Code probes run model-written code through the sandbox; where it cannot isolate and the user has
-    not allowed unisolated runs, the code domain is refused (recorded, never silently scored 0).
+    `requests` is keyed by row: a domain (its probe task) or `<domain>:<task>`, whose lm-eval config
+    (standard_tasks.task_config) is in `configs`.
+
+    Code probes and sandboxed code tasks (humaneval, mbpp) run model-written code through the sandbox; where
+    it cannot isolate and the user has not allowed unisolated runs, those rows are refused (recorded, never
+    silently scored 0).
     """
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -69,25 +82,35 @@ def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int
 
     summary: dict = {}
     isolated = sandbox.isolation_available()
-    if "code" in requests:
+    configs = configs or {}
+    # rows that run model-written code: the code probes and sandboxed standard tasks (humaneval, mbpp)
+    running_code = [d for d in requests if d == "code" or (d in configs and standard_tasks.sandboxed(configs[d]))]
+    if running_code:
         if not isolated and not allow_unisolated_code:
-            summary["code"] = {"task": PROBES["code"][0], "status": "refused", "score": None, "stderr": None,
-                               "items": 0, "reason": "sandbox isolation unavailable; set "
-                               "evaluate.allow_unisolated_code: true to run code probes anyway"}
-            requests = {d: ids for d, ids in requests.items() if d != "code"}
+            for d in running_code:
+                summary[d] = {"task": configs[d]["task"] if d in configs else PROBES["code"][0], "status": "refused",
+                              "score": None, "stderr": None, "items": 0, "reason": "sandbox isolation unavailable; "
+                              "set evaluate.allow_unisolated_code: true to run code probes anyway"}
+            requests = {d: ids for d, ids in requests.items() if d not in running_code}
         os.environ["QUANTGATE_ALLOW_UNISOLATED_CODE"] = "1" if allow_unisolated_code else "0"
-    tasks = {PROBES[d][0]: d for d in requests}
+    tasks = {configs[d]["task"] if d in configs else PROBES[d][0]: d for d in requests}
     if not tasks:
         return summary, []
     with library_output("lm_eval"):
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-        out = simple_evaluate(model=lm, tasks=list(tasks), task_manager=TaskManager(include_path=str(EVAL_DIR),
+        out = simple_evaluate(model=lm, tasks=[configs.get(d, t) for t, d in tasks.items()],
+                              task_manager=TaskManager(include_path=str(EVAL_DIR),
                               include_defaults=False), log_samples=True,
                               samples={t: sorted(requests[d]) for t, d in tasks.items()}, random_seed=0,
                               numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0,
-                              confirm_run_unsafe_code="code" in requests)
+                              confirm_run_unsafe_code=any(d in requests for d in running_code))
     items = []
     for task, domain in tasks.items():
+        if domain in configs:
+            _task_rows(domain, task, configs[domain], out, summary, items)
+            if standard_tasks.sandboxed(configs[domain]):
+                summary[domain]["isolation"] = sandbox.isolation_level()[0]
+            continue
         metric = PROBES[domain][1]
         res = out["results"][task]
         samples = out["samples"][task]
@@ -99,8 +122,32 @@ def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int
                           "doc_id": s["doc_id"], "doc_hash": s["doc_hash"], "prompt_hash": s["prompt_hash"],
                           "target": str(s["target"]), "response": str(s["filtered_resps"][0]), "correct": bool(s[metric])})
         if domain == "code":
-            summary[domain]["isolation"] = sandbox.FULL if isolated else sandbox.WEAK
+            summary[domain]["isolation"] = sandbox.isolation_level()[0]
     return summary, items
+
+
+def _task_rows(key: str, task: str, cfg: dict, out: dict, summary: dict, items: list[dict]) -> None:
+    """A standard task's summary and per-item records: the samples of its scoring filter, ids `<task>:<doc_id>`."""
+    filt, metric = standard_tasks.scoring(cfg)
+    res = out["results"][task]
+    samples = [s for s in out["samples"][task] if s.get("filter") == filt]
+    summary[key] = {"task": task, "status": "ok", "task_version": out.get("versions", {}).get(task), "metric": metric,
+                    "filter": filt, "score": _number(res.get(f"{metric},{filt}")),
+                    "stderr": _number(res.get(f"{metric}_stderr,{filt}")), "items": len(samples)}
+    domain = key.split(standard_tasks.SEP)[0]
+    for s in samples:
+        items.append({"domain": domain, "task": task, "item_id": standard_tasks.item_id(task, s["doc_id"]),
+                      "family": None, "doc_id": s["doc_id"], "filter": filt, "doc_hash": s["doc_hash"],
+                      "prompt_hash": s["prompt_hash"], "target": str(s["target"]),
+                      "response": str(s["filtered_resps"][0]), "correct": bool(s[metric])})
+
+
+def task_configs(plans: dict[str, dict]) -> dict[str, dict]:
+    """lm-eval configs of the plans' standard-task rows (compare.probe_plans puts the task's settings in `spec`)."""
+    from pipelines.params import TaskParams
+
+    return {key: standard_tasks.task_config(plan["domain"], TaskParams(**plan["spec"]))
+            for key, plan in plans.items() if "spec" in plan}
 
 
 def _merge(total: dict, block: dict) -> None:
@@ -132,13 +179,15 @@ def evaluate_looks(model, tokenizer, plans: dict[str, dict], batch_size: int, al
     records: list[dict] = []
     done = {d: 0 for d in plans}
     active = [d for d in plans if plans[d]["looks"]]
-    positions = {d: {str(item.get("id")): n for n, item in enumerate(probe_items(d))} for d in plans}
+    configs = task_configs(plans)
+    positions = {d: {standard_tasks.item_id(plans[d]["task"], n): n for n in range(plans[d]["pool"])} if d in configs
+                 else {str(item.get("id")): n for n, item in enumerate(probe_items(d))} for d in plans}
     for look in range(max((len(p["looks"]) for p in plans.values()), default=0)):
         requests = {d: [positions[d][i] for i in plans[d]["order"][done[d]: plans[d]["looks"][look]]]
                     for d in active if look < len(plans[d]["looks"])}
         if not requests:
             break
-        block, items = run_probes(model, tokenizer, requests, batch_size, allow_unisolated_code)
+        block, items = run_probes(model, tokenizer, requests, batch_size, allow_unisolated_code, configs)
         _merge(summary, block)
         records += items
         for d in list(requests):
@@ -148,9 +197,10 @@ def evaluate_looks(model, tokenizer, plans: dict[str, dict], batch_size: int, al
                 continue
             if baseline is None:
                 continue
-            mine = {r["item_id"]: r["correct"] for r in records if r["domain"] == d}
+            mine = {r["item_id"]: r["correct"] for r in records if row_of(r) == d}
             run = sequential.run_looks(baseline.get(d, {}), mine, plans[d]["order"], plans[d]["looks"],
-                                       plans[d]["families"], policy_for(d).max_accuracy_drop, compare.alpha,
+                                       plans[d]["families"], policy_for(plans[d].get("domain", d)).max_accuracy_drop,
+                                       compare.alpha,
                                        compare.spending)
             if sequential.more_items(run) is None:
                 active.remove(d)
@@ -208,8 +258,10 @@ def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, f
     (`compare`: CompareParams, the rule's margin and alpha) and is compared against `fidelity_base`.
     """
     result: dict = {"variant": Path(variant_dir).name, "device": device, "batch_size": p.batch_size}
+    domains = [d for d in plans if not standard_tasks.is_task_row(d)]
+    fidelity_domains = list(dict.fromkeys(plan.get("domain", d) for d, plan in plans.items()))  # a task row's is its domain's
     try:
-        check_items(list(plans))
+        check_items(domains)
         model, tokenizer = load_variant(variant_dir, device)
         if tokenizer.pad_token is None:  # HFLM batches need one; say so rather than fail deep inside
             tokenizer.pad_token = tokenizer.eos_token
@@ -218,9 +270,9 @@ def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, f
                                         compare.policy_for if compare else None, compare)
         result["probes"] = summary
         if baseline is None:
-            texts = fidelity_texts(list(plans), p.fidelity_texts)
+            texts = fidelity_texts(fidelity_domains, p.fidelity_texts)
             fidelity.save_base(fidelity.base_record(model, tokenizer, texts, p.top_k, device), fidelity_base)
-        result["fidelity"] = fidelity.compare(model, fidelity.load_base(fidelity_base), list(plans), device)
+        result["fidelity"] = fidelity.compare(model, fidelity.load_base(fidelity_base), fidelity_domains, device)
         result["status"] = "ok"
         return result, items
     except Exception as err:  # noqa: BLE001 - one variant's failure is that variant's result

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from pipelines import stats
+from pipelines import standard_tasks, stats
 from pipelines.compare import BASELINE, by_id, pairing_problems, rederive, usable
 from pipelines.params import Params
 
@@ -42,7 +42,8 @@ def inconsistencies(name: str, domain: str, row: dict, fresh: dict | None, memor
     out = []
     if row.get("paired") or row.get("record_problems"):
         again, _, _ = rederive(row.get("paired"), row.get("fidelity"), memory, policy,
-                               bool(row.get("identical_to_fp16")), list(row.get("record_problems") or []))
+                               bool(row.get("identical_to_fp16")), list(row.get("record_problems") or []),
+                               row.get("tasks"))
         if again != row.get("verdict"):
             out.append(f"{where}: compare.json says {row.get('verdict')!r} but its own numbers give {again!r}")
     if fresh is None:
@@ -94,6 +95,9 @@ def decide(report: dict | None, fresh: dict | None, params: Params, changes: lis
         result["reasons"] += ["the workspace differs from what DVC recorded in dvc.lock; run dvc repro:"]
         result["reasons"] += [f"  {c}" for c in changes]
         return result
+    if untracked := standard_tasks.untracked_data(params.evaluate.tasks):
+        result["reasons"] += untracked
+        return result
     if report is None:
         result["reasons"].append("no comparison results (results/compare.json): run dvc repro")
         return result
@@ -144,19 +148,23 @@ def _worst(verdicts) -> str:
 
 
 def regression_against(candidate_items: list[dict], production_items: list[dict], params: Params) -> list[str]:
-    """Why the candidate regresses against the production version on some domain (empty: it does not).
+    """Why the candidate regresses against the production version on some row (empty: it does not): each
+    domain's probes and each of its standard tasks (`<domain>:<task>`) under the domain's margin.
 
     Paired on the items both versions answered (each answered a prefix of the pool's evaluation order, so
     the shorter one), same ids and prompt hashes; a domain whose items do not pair, or whose score interval
     reaches below the domain's margin, refuses the promotion.
     """
     reasons = []
-    for domain in params.evaluate.domains:
-        prod, cand = by_id(production_items, domain), by_id(candidate_items, domain)
+    rows = [(domain, domain) for domain in params.evaluate.domains] + \
+        [(standard_tasks.row_key(domain, spec.name), domain)
+         for domain in params.evaluate.domains for spec in params.evaluate.tasks.get(domain, [])]
+    for row_name, domain in rows:  # the domains' probes and their standard-task rows, each paired on its own
+        prod, cand = by_id(production_items, row_name), by_id(candidate_items, row_name)
         common = sorted(set(prod) & set(cand))
         problems = pairing_problems(prod, cand, common, "production")
         if problems or not common:
-            reasons.append(f"{domain}: the candidate's items do not pair with production's "
+            reasons.append(f"{row_name}: the candidate's items do not pair with production's "
                            f"({'; '.join(problems) or 'no items in common'})")
             continue
         before = [prod[i]["correct"] for i in common]
@@ -165,7 +173,7 @@ def regression_against(candidate_items: list[dict], production_items: list[dict]
                                       confidence=params.compare.confidence)
         margin = params.compare.policy_for(domain).max_accuracy_drop
         if not math.isfinite(row["ci_low"]) or row["ci_low"] < -margin:
-            reasons.append(f"{domain}: accuracy {row['accuracy']:.3f} vs production {row['accuracy_fp16']:.3f} on "
+            reasons.append(f"{row_name}: accuracy {row['accuracy']:.3f} vs production {row['accuracy_fp16']:.3f} on "
                            f"{len(common)} common items, difference interval [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}] "
                            f"reaches below -{margin}")
     return reasons
@@ -220,7 +228,8 @@ def render_report(result: dict, report: dict | None, table: dict | None) -> str:
 
 
 def promote(tracking_uri: str, model_name: str, result: dict, params: Params, digest: str) -> dict:
-    """Move `production` to the `candidate` version when it was gated here and regresses against nothing."""
+    """Move `production` to the `candidate` version when it was gated here, its stored checkpoint still has
+    the registered hashes, and it regresses against nothing."""
     from pipelines.record import using_store
 
     with using_store(tracking_uri) as client:
@@ -231,8 +240,11 @@ def _promote(client, model_name: str, result: dict, params: Params, digest: str)
     import mlflow
     from mlflow.exceptions import MlflowException
 
+    from pipelines.errors import QuantgateError
     from pipelines.io import read_jsonl
-    from pipelines.record import CANDIDATE_ALIAS, DIGEST_TAG, PRODUCTION_ALIAS
+    from pipelines.models import VARIANTS_DIR
+    from pipelines.record import (CANDIDATE_ALIAS, CHECKPOINT_TAG, DIGEST_TAG, MANIFEST, PRODUCTION_ALIAS,
+                                  listed_digest, verify_version)
 
     def by_alias(alias):
         try:
@@ -252,6 +264,16 @@ def _promote(client, model_name: str, result: dict, params: Params, digest: str)
         return {"status": "refused", "detail": f"{label} was registered from other results than the current dvc.lock"}
     if variant not in result["gated"]:
         return {"status": "refused", "detail": f"{label} was not among the gated variants ({', '.join(result['gated'])})"}
+    gated = listed_digest(VARIANTS_DIR / variant)  # the workspace DVC vouched for just now
+    if candidate.tags.get(CHECKPOINT_TAG) != gated:
+        return {"status": "refused", "version": str(candidate.version),
+                "detail": f"{label}: its {CHECKPOINT_TAG} tag {candidate.tags.get(CHECKPOINT_TAG)} is not the gated "
+                          f"checkpoint's {gated} (models/variants/{variant}/{MANIFEST}): the registry was changed"}
+    try:  # production must name the bytes that were gated: every stored file against the version's hashes
+        verify_version(client, candidate)
+    except QuantgateError as err:
+        return {"status": "refused", "version": str(candidate.version),
+                "detail": f"{label}: its stored checkpoint is not the one gated: {err}"}
     production = by_alias(PRODUCTION_ALIAS)
     if production is not None and production.version == candidate.version:
         return {"status": "unchanged", "detail": f"{label} is already {PRODUCTION_ALIAS}", "version": str(candidate.version)}

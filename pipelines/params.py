@@ -170,6 +170,12 @@ class VariantParams(Section):
         return self
 
 
+class QuantizeParams(Section):
+    """Settings of every quantize stage (a variant's own settings are under `variants`)."""
+
+    timeout_seconds: int = Field(43200, gt=0)  # the quantizing process is killed (the variant fails) after this
+
+
 class CandidateParams(Section):
     """A third-party quantized checkpoint: validated before anything loads it, then judged like a variant."""
 
@@ -215,6 +221,33 @@ class MemoryParams(Section):
         return self
 
 
+TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+class TaskParams(Section):
+    """A standard lm-eval task judged beside a domain's probes (a bare name in params.yaml means just `name`)."""
+
+    name: str
+    data_files: dict[str, str] | None = None  # split -> local file (read as JSON lines) instead of the task's hub dataset
+    num_fewshot: int | None = Field(None, ge=0)  # None: the task's own
+    filter: str | None = None  # the filter whose answer scores an item; None: the task's first
+    metric: str | None = None  # the per-item metric that says correct; None: the task's first
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_name(cls, value):
+        return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not TASK_NAME.match(self.name) or self.name.startswith("quantgate_"):
+            raise ValueError(f"task name {self.name!r}: an lm-eval task name (letters, digits, '_', '.', '-'), "
+                             "not one of quantgate's probe tasks")
+        if self.data_files is not None and not self.data_files:
+            raise ValueError(f"task {self.name!r}: data_files is empty")
+        return self
+
+
 class EvaluateParams(Section):
     """Probes through lm-eval and token-level fidelity against fp16."""
 
@@ -226,6 +259,21 @@ class EvaluateParams(Section):
     max_items: int | None = Field(None, gt=0)  # cap on the items a domain is judged on; None = the whole pool
     fidelity_texts: int = Field(50, gt=0)  # held-out texts per domain
     top_k: int = Field(64, gt=0)  # stored base log-probs per token
+    # standard lm-eval tasks per domain, each judged as its own row `<domain>:<task>` (docs/evaluate.md)
+    tasks: dict[Literal["chat", "code", "code_comment", "math"], list[TaskParams]] = {}
+
+    @model_validator(mode="after")
+    def _check_tasks(self):
+        seen: set[str] = set()
+        for domain, specs in self.tasks.items():
+            if specs and domain not in self.domains:
+                raise ValueError(f"tasks for domain {domain!r}, which evaluate.domains leaves out")
+            for spec in specs:
+                if spec.name in seen:
+                    raise ValueError(f"task {spec.name!r} is listed twice; a task is judged once, under one domain")
+                seen.add(spec.name)
+        return self
+    timeout_seconds: int = Field(21600, gt=0)  # a model's evaluating process is killed after this (baseline: fatal)
 
 
 KL_PERCENTILES = ("mean", "median", "p90", "p95", "p99", "p99_9", "max")
@@ -309,6 +357,7 @@ class Params(Section):
     coverage: CoverageParams = CoverageParams()
     variants: dict[str, VariantParams] = Field(default_factory=lambda: dict(DEFAULT_VARIANTS))
     candidates: dict[str, CandidateParams] = {}
+    quantize: QuantizeParams = QuantizeParams()
     memory: MemoryParams = MemoryParams()
     evaluate: EvaluateParams = EvaluateParams()
     compare: CompareParams = CompareParams()

@@ -4,7 +4,8 @@ A small registry maps a method name to its quantizer; each quantizer writes a ch
 folder and nothing else. This module adds what every variant needs the same way: the tokenizer,
 the manifest (`quantgate.json`) with settings, library versions, calibration hash, bytes on disk
 against theory, and sha256 of every file; wall time and peak memory go to a metrics file. A quantizer that throws is
-recorded as that variant's failure; the other variants go on.
+recorded as that variant's failure; the other variants go on. The stage runs quantize_variant in its own process
+(pipelines/isolation.py): one that crashes or hangs is recorded the same way (record_failure).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import shutil
 import time
 import traceback
 from collections.abc import Callable
@@ -197,8 +199,7 @@ def quantize_variant(name: str, settings: VariantParams, source: ModelSource, bu
     from transformers import AutoConfig, AutoTokenizer
 
     out_dir = out_root / name
-    manifest = {"variant": name, "method": settings.method, "settings": settings.model_dump(mode="json"),
-                "base_model": source.location, "device": device, "libraries": library_versions()}
+    manifest = _manifest_base(name, settings, source, device)
     timing: dict = {}
     try:
         calibration = calibration_texts(built_dir, settings.method)
@@ -228,6 +229,26 @@ def quantize_variant(name: str, settings: VariantParams, source: ModelSource, bu
         message = str(err).strip() or f"raised in {Path(where.filename).name}:{where.lineno} ({where.line})"
         manifest.update({"status": "failed", "error": f"{type(err).__name__}: {message}"[:2000],
                          "traceback_tail": traceback.format_exc().splitlines()[-6:]})
-        with atomic_dir(out_dir) as tmp:
-            write_json(tmp / MANIFEST, manifest)
+        _write_failure(out_dir, manifest)
     return manifest, timing
+
+
+def _manifest_base(name: str, settings: VariantParams, source: ModelSource, device: str) -> dict:
+    return {"variant": name, "method": settings.method, "settings": settings.model_dump(mode="json"),
+            "base_model": source.location, "device": device, "libraries": library_versions()}
+
+
+def record_failure(name: str, settings: VariantParams, source: ModelSource, device: str, error: str,
+                   out_root: Path = VARIANTS_DIR) -> dict:
+    """The manifest of a variant whose quantizing process died or hung (isolation.run_isolated's reason),
+    written in place of whatever that process left half-done."""
+    manifest = {**_manifest_base(name, settings, source, device), "status": "failed", "error": error}
+    _write_failure(out_root / name, manifest)
+    return manifest
+
+
+def _write_failure(out_dir: Path, manifest: dict) -> None:
+    for leftover in out_dir.parent.glob(f".{out_dir.name}.*"):  # atomic_dir's temp folders of a killed process
+        shutil.rmtree(leftover, ignore_errors=True)
+    with atomic_dir(out_dir) as tmp:
+        write_json(tmp / MANIFEST, manifest)

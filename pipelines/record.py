@@ -6,13 +6,23 @@ child run per variant and candidate with settings as params, every number as a m
 names (`math/accuracy`, `memory/footprint_bytes`), verdicts as tags, manifests and per-item records as
 artifacts. Recording the same digest twice finds the first run and writes nothing: DVC may restore
 stages from its run-cache without running them, so idempotence is by content, not by execution.
+
+A registered version names the bytes that were gated, not a workspace folder the next `dvc repro`
+overwrites: the passing variant's checkpoint files (exactly those its manifest lists, plus the manifest)
+are logged to its child run under `checkpoint/`, the version's source is `runs:/<run>/checkpoint`, and
+the version is tagged with one sha256 over the per-file hashes (kept beside it in `checkpoint.json`).
+`fetch_checkpoint` and the promotion re-check those hashes against the stored bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import posixpath
+import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +32,8 @@ import pandas as pd
 from mlflow import MlflowClient
 
 from pipelines.compare import BASELINE, flat_rows, usable
-from pipelines.io import read_json, read_jsonl
+from pipelines.errors import QuantgateError
+from pipelines.io import read_json, read_jsonl, sha256_file
 from pipelines.params import Params
 from pipelines.route import weights_sha256
 
@@ -31,6 +42,12 @@ DIGEST_TAG = "quantgate.results_digest"  # sha256 of every dvc.lock entry but re
 CANDIDATE_ALIAS = "candidate"
 COMPLETE_TAG = "quantgate.complete"  # set on the parent run once every child is logged and every version registered
 PRODUCTION_ALIAS = "production"
+FORMAT_TAG = "quantgate.record_format"  # on the parent run; a finished recording in an older format is recorded again
+RECORD_FORMAT = "2"  # 2: passing checkpoints stored as artifacts (1 registered the workspace folder by path)
+MANIFEST = "quantgate.json"  # a variant folder's manifest (quantize.MANIFEST; repeated so record imports no torch)
+CHECKPOINT_PATH = "checkpoint"  # artifact folder of a passing variant's child run: the gated files
+CHECKPOINT_HASHES = "checkpoint.json"  # beside it: {"sha256": digest, "files": {name: sha256}}
+CHECKPOINT_TAG = "checkpoint.sha256"  # on the child run and the model version: checkpoint_digest(files)
 
 
 @contextlib.contextmanager
@@ -48,14 +65,21 @@ def using_store(uri: str) -> Iterator[MlflowClient]:
         mlflow.set_tracking_uri(before)  # None unsets the variable again
 
 
-def experiment_id(client: MlflowClient, name: str, artifact_root: Path) -> str:
-    """The experiment, created once up front with artifacts beside the store (not in the cwd's ./mlruns)."""
+def experiment_id(client: MlflowClient, name: str, artifact_root: Path | None) -> str:
+    """The experiment, created once up front with artifacts beside the store (not in the cwd's ./mlruns);
+    artifact_root None: where the tracking server puts them (its --artifacts-destination)."""
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
     # the kind tag opens the experiment on MLflow 3's "Training runs" page instead of its GenAI overview
-    return client.create_experiment(name, artifact_location=artifact_root.resolve().as_uri(),
+    return client.create_experiment(name, artifact_location=artifact_root.resolve().as_uri() if artifact_root else None,
                                     tags={"mlflow.experimentKind": "custom_model_development"})
+
+
+def served(tracking_uri: str) -> bool:
+    """A tracking server: it, not this machine's folders, decides where artifacts go, so that a registered
+    checkpoint is reachable from every machine that reaches the server."""
+    return tracking_uri.split(":", 1)[0] in ("http", "https", "databricks")
 
 
 def find_recorded(client: MlflowClient, exp_id: str, digest: str) -> list:
@@ -120,6 +144,63 @@ def checkpoint_sha256(manifest: dict | None) -> str:
     return ",".join(f"{k}:{v}" for k, v in sorted(weights_sha256(manifest).items())) or "none"
 
 
+def checkpoint_digest(files: dict[str, str]) -> str:
+    """One sha256 for a checkpoint: that of its `sha256sum` listing (`<sha256>  <name>` lines sorted by name),
+    so `(cd DIR && LC_ALL=C sha256sum $(find . -type f -printf '%P\\n' | LC_ALL=C sort)) | sha256sum` gives it too."""
+    return hashlib.sha256("".join(f"{sha}  {name}\n" for name, sha in sorted(files.items())).encode()).hexdigest()
+
+
+def _checked_name(name: str, where: str) -> str:
+    """A file name from a manifest or the store that stays inside the checkpoint folder."""
+    parts = name.split("/")
+    if not name or name.startswith("/") or "\\" in name or any(p in ("", ".", "..") for p in parts):
+        raise QuantgateError(f"{where}: file name {name!r} does not stay inside the checkpoint folder")
+    return name
+
+
+def checkpoint_files(folder: Path) -> dict[str, str]:
+    """The files a passing variant is registered with and their sha256: those its manifest lists (what the
+    gated stages loaded), each checked against the workspace, plus the manifest itself."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise QuantgateError(f"{manifest_path}: no manifest")
+    listed = read_json(manifest_path).get("files") or {}
+    if not listed:
+        raise QuantgateError(f"{manifest_path}: lists no checkpoint files")
+    files = {}
+    for name, expected in sorted(listed.items()):
+        path = folder / _checked_name(name, str(manifest_path))
+        if not path.is_file():
+            raise QuantgateError(f"{path}: listed in {manifest_path} but missing")
+        files[name] = sha256_file(path)
+        if files[name] != expected:
+            raise QuantgateError(f"{path}: sha256 {files[name]} differs from {expected} in {manifest_path}: "
+                                 "the workspace is not what was gated (dvc repro)")
+    files[MANIFEST] = sha256_file(manifest_path)
+    return files
+
+
+def listed_digest(folder: Path) -> str | None:
+    """The checkpoint digest the manifest in `folder` implies (its listed hashes plus the manifest's own), with
+    no re-hash of the weights: where DVC vouches for the folder (the gate), this is what was gated."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        return None
+    listed = read_json(manifest_path).get("files") or {}
+    return checkpoint_digest({**listed, MANIFEST: sha256_file(manifest_path)}) if listed else None
+
+
+def log_checkpoint(folder: Path) -> dict:
+    """Upload a passing variant's checkpoint files to the active run (`checkpoint/`) with their hashes."""
+    files = checkpoint_files(folder)
+    for name in files:
+        mlflow.log_artifact(str(folder / name), posixpath.join(CHECKPOINT_PATH, posixpath.dirname(name)).rstrip("/"))
+    digest = checkpoint_digest(files)
+    mlflow.log_dict({"sha256": digest, "files": files}, CHECKPOINT_HASHES)
+    mlflow.set_tag(CHECKPOINT_TAG, digest)
+    return {"sha256": digest, "files": len(files), "bytes": sum((folder / n).stat().st_size for n in files)}
+
+
 def _dataset_inputs(paths: list[tuple[str, Path]], context: str) -> None:
     """JSONL files as MLflow dataset inputs of the active run, named and tagged with their sha256."""
     from pipelines.io import sha256_file
@@ -145,7 +226,8 @@ def record_pipeline(params: Params, tracking_uri: str, digest: str, commit: dict
                     artifact_root: Path | None = None) -> dict:
     """Record compare/route/memory/eval results under one parent run; register passing variants."""
     with using_store(tracking_uri) as client:
-        return _record(client, params, digest, commit, root, artifact_root)
+        return _record(client, params, digest, commit, root,
+                       None if served(tracking_uri) else artifact_root or root / "mlartifacts")
 
 
 def _record(client: MlflowClient, params: Params, digest: str, commit: dict, root: Path,
@@ -153,10 +235,12 @@ def _record(client: MlflowClient, params: Params, digest: str, commit: dict, roo
     results = root / "results"
     report = read_json(results / "compare.json")
     table = read_json(results / "routing_table.json")
-    exp_id = experiment_id(client, params.mlflow.experiment, artifact_root or root / "mlartifacts")
+    exp_id = experiment_id(client, params.mlflow.experiment, artifact_root)
     recorded = find_recorded(client, exp_id, digest)
     # complete = finished and its passing variants registered (the tag is set last)
-    finished = [r for r in recorded if r.info.status == "FINISHED" and r.data.tags.get(COMPLETE_TAG) == "true"]
+    # (a recording in an older format is replaced like a crashed one: its versions name no stored checkpoint)
+    finished = [r for r in recorded if r.info.status == "FINISHED" and r.data.tags.get(COMPLETE_TAG) == "true"
+                and r.data.tags.get(FORMAT_TAG) == RECORD_FORMAT]
     if finished:  # the runs are there; the aliases must still say what these results say
         reconcile_candidate(client, params.registered_model_name(), digest)
         return {"status": "already recorded", "parent_run_id": finished[0].info.run_id, "experiment_id": exp_id,
@@ -170,7 +254,8 @@ def _record(client: MlflowClient, params: Params, digest: str, commit: dict, roo
     names = [BASELINE, *report["variants"]]
     children = {}
     with mlflow.start_run(experiment_id=exp_id, run_name=f"pipeline {digest[:8]}",
-                          tags={KIND_TAG: "pipeline", DIGEST_TAG: digest, "git.commit": str(commit.get("commit")),
+                          tags={KIND_TAG: "pipeline", DIGEST_TAG: digest, FORMAT_TAG: RECORD_FORMAT,
+                                "git.commit": str(commit.get("commit")),
                                 "git.dirty": str(commit.get("dirty")), "model": params.model}) as parent:
         mlflow.log_params(flatten("", params.model_dump(mode="json"), {}))
         mlflow.log_table(pd.DataFrame(flat_rows(report)), "tables/compare.json")
@@ -182,16 +267,20 @@ def _record(client: MlflowClient, params: Params, digest: str, commit: dict, roo
                     results / "routing_table.yaml", results / "memory_summary.json",
                     results / "calibration/coverage.json", root / "dvc.lock", root / "params.yaml"], "results")
         _log_files(sorted((results / "plots").glob("*.png")), "plots")
+        checkpoints = {}
         for name in names:
-            children[name] = _record_child(name, report, params, root, digest, exp_id)
-    registered = register_passing(client, params.registered_model_name(), report, children, root, digest)
+            children[name], checkpoints[name] = _record_child(name, report, params, root, digest, exp_id)
+    registered = register_passing(client, params.registered_model_name(), report, children, checkpoints, digest)
     client.set_tag(parent.info.run_id, COMPLETE_TAG, "true")
     return {"status": "recorded", "parent_run_id": parent.info.run_id, "experiment_id": exp_id,
-            "children": children, "registered": registered}
+            "children": children, "registered": registered,
+            "unregistered": [{"variant": n, "reason": c["refused"]} for n, c in checkpoints.items() if c and "refused" in c]}
 
 
-def _record_child(name: str, report: dict, params: Params, root: Path, digest: str, exp_id: str) -> str:
-    """One child run: params, metrics, verdict tags and artifacts of one variant (or of fp16)."""
+def _record_child(name: str, report: dict, params: Params, root: Path, digest: str,
+                  exp_id: str) -> tuple[str, dict | None]:
+    """One child run: params, metrics, verdict tags and artifacts of one variant (or of fp16); a variant that
+    passed every domain also gets its checkpoint stored (returned: its digest, or why it was refused)."""
     memory_path = root / "results/memory_summary.json"
     memory = (read_json(memory_path).get("variants") or {}).get(name) if memory_path.is_file() else None
     manifest_path = root / "models/variants" / name / "quantgate.json"
@@ -219,7 +308,14 @@ def _record_child(name: str, report: dict, params: Params, root: Path, digest: s
         _log_files(sorted((root / "results/plots").glob("*.png")), "plots")  # where this variant stands among the rest
         if (manifest or {}).get("calibration"):
             _dataset_inputs([("calibration-mixed", root / "calibration_sets/built/mixed.jsonl")], "calibration")
-        return child.info.run_id
+        checkpoint = None
+        if name != BASELINE and row["verdict"] == "pass":
+            try:
+                checkpoint = log_checkpoint(root / "models/variants" / name)
+            except QuantgateError as err:  # not registered: a version must name the bytes that were gated
+                checkpoint = {"refused": str(err)}
+                mlflow.set_tag("registry", f"not registered: {err}"[:4000])
+        return child.info.run_id, checkpoint
 
 
 def routing_rows(table: dict) -> list[dict]:
@@ -236,8 +332,10 @@ def _delete_versions(client: MlflowClient, model_name: str, digest: str) -> None
     """Model versions a half-finished recording of these results registered: they name deleted runs."""
     if not client.search_registered_models(f"name = '{model_name}'"):
         return
+    # search_model_versions leaves `aliases` empty: read them from the registered model
+    kept = {str(v) for a, v in client.get_registered_model(model_name).aliases.items() if a != CANDIDATE_ALIAS}
     for version in client.search_model_versions(f"name = '{model_name}'"):
-        if version.tags.get(DIGEST_TAG) == digest and set(version.aliases or []) <= {CANDIDATE_ALIAS}:
+        if version.tags.get(DIGEST_TAG) == digest and str(version.version) not in kept:
             client.delete_model_version(model_name, version.version)  # a promoted version is never deleted
 
 
@@ -256,14 +354,16 @@ def reconcile_candidate(client: MlflowClient, model_name: str, digest: str) -> N
         client.delete_registered_model_alias(model_name, CANDIDATE_ALIAS)
 
 
-def register_passing(client: MlflowClient, model_name: str, report: dict, children: dict[str, str], root: Path,
-                     digest: str) -> list[dict]:
-    """A model version per passing variant (its checkpoint folder by reference), `candidate` -> the newest.
+def register_passing(client: MlflowClient, model_name: str, report: dict, children: dict[str, str],
+                     checkpoints: dict[str, dict | None], digest: str) -> list[dict]:
+    """A model version per passing variant whose checkpoint was stored (source `runs:/<child run>/checkpoint`),
+    `candidate` -> the newest.
 
     The most expensive passing variant is registered first, so the newest, which `candidate` names, is
     the cheapest variant that passed every domain.
     """
-    passing = [n for n, v in report["variants"].items() if v["verdict"] == "pass"]
+    passing = [n for n, v in report["variants"].items()
+               if v["verdict"] == "pass" and "sha256" in (checkpoints.get(n) or {})]
     if not passing:  # an older result's candidate must not stay promotable once these verdicts say otherwise
         if client.search_registered_models(f"name = '{model_name}'") and \
                 CANDIDATE_ALIAS in client.get_registered_model(model_name).aliases:
@@ -274,14 +374,115 @@ def register_passing(client: MlflowClient, model_name: str, report: dict, childr
     footprint = {n: (report["variants"][n].get("memory") or {}).get("footprint_bytes") or 0 for n in passing}
     out = []
     for name in sorted(passing, key=lambda n: -footprint[n]):
-        row = report["variants"][name]
-        manifest = read_json(root / "models/variants" / name / "quantgate.json")
-        tags = {"variant": name, "verdict": row["verdict"], DIGEST_TAG: digest,
-                "checkpoint_sha256": checkpoint_sha256(manifest),
+        row, stored = report["variants"][name], checkpoints[name]
+        tags = {"variant": name, "verdict": row["verdict"], DIGEST_TAG: digest, CHECKPOINT_TAG: stored["sha256"],
+                "checkpoint.files": str(stored["files"]), "checkpoint.bytes": str(stored["bytes"]),
                 **{f"verdict.{d}": x["verdict"] for d, x in row["domains"].items()}}
-        version = client.create_model_version(model_name, source=str((root / "models/variants" / name).resolve()),
+        version = client.create_model_version(model_name, source=f"runs:/{children[name]}/{CHECKPOINT_PATH}",
                                               run_id=children[name], tags=tags,
                                               description=f"{name}: passed every domain against fp16")
         out.append({"variant": name, "version": str(version.version)})
     client.set_registered_model_alias(model_name, CANDIDATE_ALIAS, out[-1]["version"])
     return out
+
+
+def resolve_version(client: MlflowClient, model_name: str, ref: str):
+    """A version of `model_name` by number (`3`, `v3`) or alias (`production`, `candidate`)."""
+    from mlflow.exceptions import MlflowException
+
+    number = ref[1:] if ref[:1] == "v" and ref[1:].isdigit() else ref
+    try:
+        if number.isdigit():
+            return client.get_model_version(model_name, number)
+        return client.get_model_version_by_alias(model_name, ref)
+    except MlflowException as err:
+        raise QuantgateError(f"{model_name}: no version or alias {ref!r} in the registry "
+                             f"({err.message.splitlines()[0] if err.message else type(err).__name__})") from None
+
+
+def _stored_hashes(client: MlflowClient, version) -> dict[str, str]:
+    """The version's per-file hashes, checked against the digest its tag holds (the registry is the anchor:
+    a store whose files and checkpoint.json were both rewritten still fails here)."""
+    label = f"{version.name} version {version.version}"
+    digest = version.tags.get(CHECKPOINT_TAG)
+    if not digest or version.source != f"runs:/{version.run_id}/{CHECKPOINT_PATH}":
+        raise QuantgateError(f"{label}: registered from {version.source!r} with no stored checkpoint (no "
+                             f"{CHECKPOINT_TAG} tag); record it again (`dvc repro -f -s record`)")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            path = mlflow.artifacts.download_artifacts(run_id=version.run_id, artifact_path=CHECKPOINT_HASHES, dst_path=tmp)
+        except Exception as err:  # noqa: BLE001 - whatever the store raises, the artifact is not there
+            raise QuantgateError(f"{label}: {CHECKPOINT_HASHES} is missing from run {version.run_id}'s artifacts "
+                                 f"({type(err).__name__})") from None
+        stored = read_json(path)
+    files = stored.get("files") if isinstance(stored, dict) else None
+    if not isinstance(files, dict) or not files or checkpoint_digest(files) != digest:
+        raise QuantgateError(f"{label}: {CHECKPOINT_HASHES} in run {version.run_id} does not hash to the version's "
+                             f"{CHECKPOINT_TAG} tag {digest}: the stored hashes were changed")
+    return {_checked_name(n, f"{label}: {CHECKPOINT_HASHES}"): h for n, h in files.items()}
+
+
+def _check_folder(folder: Path, files: dict[str, str], label: str) -> None:
+    """Every registered file present in `folder` with its registered sha256, and nothing else."""
+    found = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} if folder.is_dir() else set()
+    problems = [f"{n}: missing" for n in sorted(set(files) - found)]
+    problems += [f"{n}: not a registered file" for n in sorted(found - set(files))]
+    for name in sorted(set(files) & found):
+        actual = sha256_file(folder / name)
+        if actual != files[name]:
+            problems.append(f"{name}: sha256 {actual} differs from the registered {files[name]}")
+    if problems:
+        raise QuantgateError(f"{label}: " + "; ".join(problems))
+
+
+def verify_version(client: MlflowClient, version) -> dict:
+    """Check the stored checkpoint behind a model version against its registered hashes (raises, naming the
+    file). A local artifact store is read in place; any other is downloaded to a temporary folder."""
+    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+    from mlflow.utils.uri import is_local_uri
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    files = _stored_hashes(client, version)
+    label = f"{version.name} version {version.version}: checkpoint {version.source}"
+    underlying = RunsArtifactRepository.get_underlying_uri(version.source)
+    if is_local_uri(underlying):
+        _check_folder(Path(local_file_uri_to_path(underlying)), files, label)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            _check_folder(_download(version, Path(tmp), label), files, label)
+    return {"version": str(version.version), "sha256": version.tags[CHECKPOINT_TAG], "files": len(files)}
+
+
+def _download(version, into: Path, label: str) -> Path:
+    try:
+        return Path(mlflow.artifacts.download_artifacts(artifact_uri=version.source, dst_path=str(into)))
+    except Exception as err:  # noqa: BLE001
+        raise QuantgateError(f"{label}: could not be downloaded ({type(err).__name__}: {err})") from None
+
+
+def fetch_checkpoint(tracking_uri: str, model_name: str, ref: str, dest: Path | None = None) -> dict:
+    """Download the checkpoint behind `models:/<model_name>@<ref>` (or version `ref`) into `dest`, verified
+    file by file against the version's hashes; on any mismatch nothing is left at `dest`."""
+    with using_store(tracking_uri) as client:
+        version = resolve_version(client, model_name, ref)
+        files = _stored_hashes(client, version)
+        label = f"{model_name} version {version.version}: checkpoint {version.source}"
+        dest = Path(dest or Path("models/fetched") / f"{model_name}-v{version.version}")
+        summary = {"version": str(version.version), "variant": version.tags.get("variant"), "dest": str(dest),
+                   "sha256": version.tags[CHECKPOINT_TAG], "files": len(files), "aliases": list(version.aliases or [])}
+        if dest.exists() and not dest.is_dir():
+            raise QuantgateError(f"{dest}: exists and is not a folder")
+        if dest.exists() and any(dest.iterdir()):  # never overwrite: accept it only when it is those bytes
+            _check_folder(dest, files, f"{dest} already exists and is not {model_name} version {version.version}")
+            return {**summary, "status": "already there"}
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp"))
+        try:
+            got = _download(version, staging, label)
+            _check_folder(got, files, label)
+            if dest.exists():
+                dest.rmdir()  # empty (checked above)
+            got.rename(dest)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return {**summary, "status": "fetched", "bytes": sum((dest / n).stat().st_size for n in files)}

@@ -13,6 +13,7 @@ from mlflow import MlflowClient
 from pipelines import cli, gate, record
 from pipelines.io import read_json, write_json
 from tests.handmade import correctness, rerun_compare, write_pipeline
+from tests.test_record import stored_checkpoint, write_recordable
 
 N = 400
 GOOD = {d: correctness(N, 300, lose=1) for d in ("math", "code")}
@@ -249,7 +250,7 @@ def test_edited_per_item_records_after_dvc_commit_cannot_pass(repo):
 
 
 def record_run(repo, results):
-    built = write_pipeline(repo, results)
+    built = write_recordable(repo, results)
     return record.record_pipeline(built["params"], f"sqlite:///{repo / 'mlflow.db'}", built["digest"], {}, root=repo,
                                   artifact_root=repo / "artifacts")
 
@@ -294,6 +295,53 @@ def test_promotion_needs_a_passing_gate_and_this_runs_candidate(repo):
     write_pipeline(repo, answers(int8={d: correctness(N, 300, lose=3) for d in ("math", "code")}))  # new results, not recorded
     code, result, _ = run_gate("--variant", "int8", "--promote")
     assert code == 1 and "registered from other results than the current dvc.lock" in result["promotion"]["detail"]
+
+
+@pytest.mark.parametrize("damage", ["delete", "flip"])
+def test_promotion_refuses_a_version_whose_stored_checkpoint_is_not_the_gated_one(repo, damage):
+    summary = record_run(repo, answers())
+    stored = stored_checkpoint(f"sqlite:///{repo / 'mlflow.db'}", summary["children"]["int8"]) / "tokenizer.json"
+    if damage == "delete":
+        stored.unlink()
+    else:
+        stored.write_bytes(stored.read_bytes().replace(b"int8", b"int9"))
+    code, result, report = run_gate("--variant", "int8", "--promote")
+    assert (code, result["verdict"], result["promotion"]["status"]) == (1, "fail", "refused")
+    detail = result["promotion"]["detail"]
+    assert detail.startswith("quantgate-reference version 1 (int8): its stored checkpoint is not the one gated")
+    assert ("tokenizer.json: missing" if damage == "delete" else "tokenizer.json: sha256 ") in detail
+    assert aliases(repo) == {"candidate": "1"}  # production was not moved
+    assert "tokenizer.json" in report
+
+
+def test_promotion_refuses_a_registry_rewritten_to_other_bytes_with_matching_hashes(repo):
+    """Someone with write access to the store replaces a file, its checkpoint.json and the version's tag
+    together: the stored copy is self-consistent, but it is not what the workspace DVC vouches for was."""
+    summary = record_run(repo, answers())
+    uri = f"sqlite:///{repo / 'mlflow.db'}"
+    stored = stored_checkpoint(uri, summary["children"]["int8"])
+    (stored / "tokenizer.json").write_bytes((stored / "tokenizer.json").read_bytes().replace(b"int8", b"int9"))
+    files = {p.relative_to(stored).as_posix(): record.sha256_file(p) for p in stored.rglob("*") if p.is_file()}
+    write_json(stored.parent / record.CHECKPOINT_HASHES, {"sha256": record.checkpoint_digest(files), "files": files})
+    client = MlflowClient(uri)
+    client.set_model_version_tag("quantgate-reference", "1", record.CHECKPOINT_TAG, record.checkpoint_digest(files))
+    assert record.verify_version(client, client.get_model_version("quantgate-reference", "1"))  # self-consistent
+    code, result, _ = run_gate("--variant", "int8", "--promote")
+    assert (code, result["promotion"]["status"]) == (1, "refused")
+    assert "is not the gated checkpoint's" in result["promotion"]["detail"]
+    assert aliases(repo) == {"candidate": "1"}
+
+
+def test_promotion_after_the_workspace_is_overwritten_promotes_the_stored_bytes(repo):
+    """The workspace folder changes after record (dvc status then refuses the gate until dvc repro); what
+    production names is the stored copy, verified, not the folder."""
+    summary = record_run(repo, answers())
+    assert run_gate("--variant", "int8", "--promote")[1]["promotion"]["status"] == "promoted"
+    gated = (repo / "models/variants/int8/model.safetensors").read_bytes()
+    (repo / "models/variants/int8/model.safetensors").write_bytes(b"overwritten")
+    assert cli.main(["fetch", "production", "--dest", str(repo / "prod")]) == 0
+    assert (repo / "prod/model.safetensors").read_bytes() == gated
+    assert summary["registered"] == [{"variant": "int8", "version": "1"}]
 
 
 def test_a_frozen_stage_cannot_be_vouched_for(repo):

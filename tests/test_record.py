@@ -2,24 +2,51 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from pathlib import Path
+
 import pytest
 from mlflow import MlflowClient
 
 import yaml
 
-from pipelines import lineage, record
+from pipelines import cli, lineage, record
+from pipelines.io import read_json, sha256_file, write_json
 from pipelines.params import load_params
-from tests.handmade import correctness, write_pipeline
+from tests.handmade import correctness, rerun_compare, write_pipeline
 
 N = 400
+
+
+def write_checkpoints(root, built: dict) -> dict:
+    """Real checkpoint files for every variant but fp16, listed with their sha256 in its manifest (the hand-made
+    manifests list made-up hashes of files that are not there), then compare and dvc.lock made again."""
+    for folder in sorted((root / "models/variants").iterdir()):
+        if folder.name == "fp16":
+            continue
+        files = {"model.safetensors": bytes(range(256)) * 64 + folder.name.encode(), "config.json": b'{"model_type": "llama"}',
+                 "tokenizer.json": f'{{"variant": "{folder.name}"}}'.encode()}
+        for name, data in files.items():
+            (folder / name).write_bytes(data)
+        manifest = read_json(folder / "quantgate.json")
+        manifest["files"] = {name: sha256_file(folder / name) for name in files}
+        write_json(folder / "quantgate.json", manifest)
+    report, table = rerun_compare(root)
+    return {**built, "digest": lineage.results_digest(root / "dvc.lock"), "report": report, "table": table}
+
+
+def write_recordable(root, answers: dict) -> dict:
+    """write_pipeline with real checkpoint files behind its manifests."""
+    return write_checkpoints(root, write_pipeline(root, answers))
 
 
 @pytest.fixture()
 def recorded(tmp_path):
     """int8 passes both domains, awq4 fails math; recorded once."""
-    built = write_pipeline(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
-                                      "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
-                                      "awq4": {"math": correctness(N, 300, lose=60), "code": correctness(N, 300)}})
+    built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
+                                        "awq4": {"math": correctness(N, 300, lose=60), "code": correctness(N, 300)}})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     summary = record.record_pipeline(built["params"], uri, built["digest"], {"commit": "abc123", "dirty": False},
                                      root=tmp_path, artifact_root=tmp_path / "artifacts")
@@ -91,8 +118,110 @@ def test_passing_variants_are_registered_and_candidate_points_at_the_newest(reco
     assert [v.tags["variant"] for v in versions] == ["int8"]  # awq4 failed: not registered
     candidate = client.get_model_version_by_alias("quantgate-reference", "candidate")
     assert candidate.version == versions[0].version and candidate.run_id == summary["children"]["int8"]
-    assert candidate.source == str((root / "models/variants/int8").resolve())
     assert candidate.tags["verdict"] == "pass" and candidate.tags["quantgate.results_digest"] == built["digest"]
+
+
+def stored_checkpoint(uri, run_id):
+    """The folder a child run's `checkpoint/` artifact lives in, resolved through MLflow."""
+    from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    with record.using_store(uri):
+        return Path(local_file_uri_to_path(RunsArtifactRepository.get_underlying_uri(f"runs:/{run_id}/checkpoint")))
+
+
+def test_a_version_names_a_stored_copy_of_the_gated_files(recorded):
+    """The source is the child run's artifact, inside the store's artifact root, tagged with one sha256."""
+    root, built, uri, summary = recorded
+    version = MlflowClient(uri).get_model_version_by_alias("quantgate-reference", "candidate")
+    run = summary["children"]["int8"]
+    assert version.source == f"runs:/{run}/checkpoint"
+    stored = stored_checkpoint(uri, run)
+    assert stored.is_relative_to((root / "artifacts").resolve()) and not stored.is_relative_to(root / "models")
+    folder = root / "models/variants/int8"
+    names = ["config.json", "model.safetensors", "quantgate.json", "tokenizer.json"]
+    assert sorted(p.name for p in stored.iterdir()) == names
+    assert all((stored / n).read_bytes() == (folder / n).read_bytes() for n in names)
+    listing = "".join(f"{hashlib.sha256((folder / n).read_bytes()).hexdigest()}  {n}\n" for n in names)  # sha256sum's
+    assert version.tags["checkpoint.sha256"] == hashlib.sha256(listing.encode()).hexdigest()
+    assert version.tags["checkpoint.files"] == "4"
+    assert MlflowClient(uri).get_run(run).data.tags["checkpoint.sha256"] == version.tags["checkpoint.sha256"]
+    awq4 = summary["children"]["awq4"]  # failed a domain: nothing uploaded for it
+    assert MlflowClient(uri).list_artifacts(awq4, "checkpoint") == []
+
+
+def fetch(uri, monkeypatch, *args):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return cli.main(["fetch", *args, "--model", "quantgate-reference"])
+
+
+def test_fetch_gives_the_gated_bytes_even_after_the_workspace_is_overwritten(recorded, monkeypatch, capsys):
+    root, built, uri, summary = recorded
+    folder = root / "models/variants/int8"
+    gated = {p.name: p.read_bytes() for p in folder.iterdir()}
+    (folder / "model.safetensors").write_bytes(b"the next dvc repro's weights")  # what the next run would leave
+    assert fetch(uri, monkeypatch, "candidate", "--dest", str(root / "elsewhere/int8")) == 0
+    got = root / "elsewhere/int8"
+    assert {p.name: p.read_bytes() for p in got.iterdir()} == gated
+    assert fetch(uri, monkeypatch, "1", "--dest", str(got)) == 0  # the same bytes there already: accepted
+    (got / "config.json").write_bytes(b"{}")
+    assert fetch(uri, monkeypatch, "v1", "--dest", str(got)) == 2  # other bytes there: never overwritten
+    assert "config.json: sha256 " in capsys.readouterr().err and (got / "config.json").read_bytes() == b"{}"
+
+
+@pytest.mark.parametrize("damage", ["delete", "flip"])
+def test_a_damaged_store_fails_fetch_naming_the_file(recorded, monkeypatch, capsys, damage):
+    root, built, uri, summary = recorded
+    stored = stored_checkpoint(uri, summary["children"]["int8"]) / "model.safetensors"
+    if damage == "delete":
+        stored.unlink()
+    else:
+        data = bytearray(stored.read_bytes())
+        data[1000] ^= 1
+        stored.write_bytes(bytes(data))
+    dest = root / "fetched"
+    assert fetch(uri, monkeypatch, "candidate", "--dest", str(dest)) == 2
+    err = capsys.readouterr().err
+    assert "quantgate-reference version 1: checkpoint runs:/" in err
+    assert ("model.safetensors: missing" if damage == "delete" else "model.safetensors: sha256 ") in err
+    assert not dest.exists() and list(root.glob(".fetched.*")) == []  # nothing half-fetched left behind
+
+
+def test_rewritten_hashes_in_the_store_are_caught_by_the_registry_tag(recorded, monkeypatch, capsys):
+    """Someone with write access to the artifact store replaces a file and its recorded hash: the version's
+    tag (in the tracking database) no longer matches."""
+    root, built, uri, summary = recorded
+    run = summary["children"]["int8"]
+    stored = stored_checkpoint(uri, run)
+    (stored / "model.safetensors").write_bytes(b"other weights")
+    hashes_path = stored.parent / "checkpoint.json"
+    hashes = json.loads(hashes_path.read_text())
+    hashes["files"]["model.safetensors"] = sha256_file(stored / "model.safetensors")
+    hashes_path.write_text(json.dumps(hashes))
+    assert fetch(uri, monkeypatch, "candidate", "--dest", str(root / "fetched")) == 2
+    assert "checkpoint.json in run " in capsys.readouterr().err
+
+
+def test_an_unknown_alias_is_named(recorded, monkeypatch, capsys):
+    root, _, uri, _ = recorded
+    assert fetch(uri, monkeypatch, "production", "--dest", str(root / "x")) == 2
+    assert "quantgate-reference: no version or alias 'production'" in capsys.readouterr().err
+
+
+def test_a_passing_variant_whose_files_are_not_its_manifests_is_not_registered(tmp_path):
+    built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
+                                        "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
+    (tmp_path / "models/variants/awq4/model.safetensors").write_bytes(b"replaced after it was gated")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
+                                     artifact_root=tmp_path / "artifacts")
+    assert [r["variant"] for r in summary["registered"]] == ["int8"]
+    assert summary["unregistered"][0]["variant"] == "awq4"
+    assert "models/variants/awq4/model.safetensors: sha256 " in summary["unregistered"][0]["reason"]
+    client = MlflowClient(uri)
+    assert client.get_model_version_by_alias("quantgate-reference", "candidate").tags["variant"] == "int8"
+    assert client.list_artifacts(summary["children"]["awq4"], "checkpoint") == []
 
 
 def test_recording_the_same_lock_twice_writes_nothing(recorded):
@@ -103,6 +232,27 @@ def test_recording_the_same_lock_twice_writes_nothing(recorded):
     _, _, runs = runs_of(uri)
     assert len(runs) == 4
     assert len(MlflowClient(uri).search_model_versions("name = 'quantgate-reference'")) == 1
+    assert len(list((root / "artifacts").rglob("model.safetensors"))) == 1  # the checkpoint was uploaded once
+
+
+def test_a_recording_in_the_old_format_is_recorded_again(recorded):
+    """A store recorded before checkpoints were stored (its versions name a workspace folder) is replaced, but
+    never its production version."""
+    root, built, uri, first = recorded
+    client = MlflowClient(uri)
+    client.delete_tag(first["parent_run_id"], record.FORMAT_TAG)
+    client.set_registered_model_alias("quantgate-reference", "production", "1")
+    again = record.record_pipeline(built["params"], uri, built["digest"], {}, root=root, artifact_root=root / "artifacts")
+    assert again["status"] == "recorded" and again["parent_run_id"] != first["parent_run_id"]
+    assert again["registered"] == [{"variant": "int8", "version": "2"}]
+    assert aliases_of(client) == {"candidate": "2", "production": "1"}
+    assert record.record_pipeline(built["params"], uri, built["digest"], {}, root=root,
+                                  artifact_root=root / "artifacts")["status"] == "already recorded"
+
+
+def aliases_of(client):
+    model = client.get_registered_model("quantgate-reference")
+    return {a: str(v) for a, v in model.aliases.items()}
 
 
 def test_a_changed_verdict_is_a_new_parent_run_and_moves_the_registry(recorded):
@@ -132,9 +282,9 @@ def test_a_changed_verdict_is_a_new_parent_run_and_moves_the_registry(recorded):
 
 
 def test_a_half_written_recording_is_replaced(tmp_path):
-    built = write_pipeline(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
-                                      "int8": {d: correctness(N, 300) for d in ("math", "code")},
-                                      "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
+    built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "int8": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     exp_id = record.experiment_id(client, "handmade", tmp_path / "artifacts")
@@ -148,9 +298,9 @@ def test_a_half_written_recording_is_replaced(tmp_path):
 
 
 def test_a_crash_while_registering_is_mended_by_the_next_record(tmp_path, monkeypatch):
-    built = write_pipeline(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
-                                      "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
-                                      "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
+    built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
+                                        "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     real = MlflowClient.create_model_version
@@ -181,3 +331,65 @@ def test_recording_leaves_the_process_tracking_uri_as_it_was(recorded, monkeypat
     import os
 
     assert "MLFLOW_TRACKING_URI" not in os.environ  # a later `dvc repro` subprocess must not inherit the test store
+
+
+@pytest.fixture()
+def server(tmp_path):
+    """A real `mlflow server` on localhost whose artifacts live in its own folder (proxied, mlflow-artifacts:/):
+    what a team's shared server does, its folder standing in for object storage."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri",
+                             f"sqlite:///{tmp_path / 'server.db'}", "--artifacts-destination", str(tmp_path / "bucket"),
+                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "server.log").read_text()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}", tmp_path / "bucket"
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_through_a_tracking_server_the_checkpoint_lives_in_the_servers_store(tmp_path, server, monkeypatch, capsys):
+    """The server validates the version's source (runs:/ of its own run) and keeps the bytes; another folder
+    fetches them over HTTP, verified, and a byte changed on the server is named."""
+    uri, bucket = server
+    root = tmp_path / "repo"
+    root.mkdir()
+    built = write_recordable(root, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
+                                    "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
+                                    "awq4": {"math": correctness(N, 300, lose=60), "code": correctness(N, 300)}})
+    summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=root, artifact_root=root / "artifacts")
+    client = MlflowClient(uri)
+    assert client.get_experiment_by_name("handmade").artifact_location.startswith("mlflow-artifacts:/")
+    assert not (root / "artifacts").exists()  # nothing on the recording machine's disk
+    version = client.get_model_version_by_alias("quantgate-reference", "candidate")
+    assert version.source == f"runs:/{summary['children']['int8']}/checkpoint"
+    stored = next(p for p in bucket.rglob("checkpoint") if p.is_dir())
+    assert (stored / "model.safetensors").read_bytes() == (root / "models/variants/int8/model.safetensors").read_bytes()
+    with record.using_store(uri) as c:
+        assert record.verify_version(c, version)["files"] == 4
+    elsewhere = tmp_path / "other-machine"
+    assert fetch(uri, monkeypatch, "candidate", "--dest", str(elsewhere)) == 0
+    assert (elsewhere / "config.json").read_bytes() == (root / "models/variants/int8/config.json").read_bytes()
+    (stored / "config.json").write_bytes(b'{"model_type": "llamb"}')
+    assert fetch(uri, monkeypatch, "candidate", "--dest", str(tmp_path / "again")) == 2
+    assert "config.json: sha256 " in capsys.readouterr().err

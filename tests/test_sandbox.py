@@ -1,11 +1,18 @@
-"""Hostile programs through the sandbox: each is contained, scored as a failure, and leaves nothing behind."""
+"""Hostile programs through the sandbox: each is contained, scored as a failure, and leaves nothing behind.
+
+They need root, util-linux and bubblewrap; .ci/run installs bubblewrap and sets QUANTGATE_REQUIRE_SANDBOX=1,
+so in CI a machine without them fails these tests instead of skipping them."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
 import time
+
+import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -13,8 +20,10 @@ import pytest
 from pipelines import sandbox
 from pipelines.sandbox import Limits, run_python
 
-pytestmark = pytest.mark.skipif(not sandbox.isolation_available(),
-                                reason="sandbox isolation needs root, unshare and setpriv (CI runs as root)")
+pytestmark = pytest.mark.skipif(not sandbox.isolation_available() and not os.environ.get("QUANTGATE_REQUIRE_SANDBOX"),
+                                reason="the sandbox needs root, util-linux and bubblewrap (CI has them and requires it)")
+REPO = Path(__file__).resolve().parents[1]
+SHARED_TMP = ("/tmp", "/var/tmp", "/dev/shm")
 FAST = Limits(timeout_s=5, cpu_s=3)
 
 
@@ -24,11 +33,25 @@ def nobody_processes() -> list[int]:
 
 @pytest.fixture(autouse=True)
 def machine_left_as_it_was():
-    before = set(os.listdir("/tmp"))
+    before = {d: set(os.listdir(d)) for d in SHARED_TMP}
     yield
     time.sleep(0.2)
     assert nobody_processes() == []
-    assert not [n for n in set(os.listdir("/tmp")) - before if n.startswith("quantgate-sandbox-")]
+    assert not [n for n in set(os.listdir("/tmp")) - before["/tmp"] if n.startswith("quantgate-sandbox-")]
+    assert not [f"{d}/{n}" for d in SHARED_TMP for n in set(os.listdir(d)) - before[d]
+                if _owner(f"{d}/{n}") == sandbox.NOBODY and not n.startswith("quantgate-sandbox-")]  # ours: just above
+
+
+def _owner(path: str) -> int | None:
+    try:
+        return os.lstat(path).st_uid
+    except FileNotFoundError:
+        return None
+
+
+def test_full_isolation_is_the_level_here():
+    level, why = sandbox.isolation_level()
+    assert (level, why) == (sandbox.FULL, "")
 
 
 def test_correct_program_passes_and_wrong_one_fails():
@@ -107,4 +130,100 @@ def test_refuses_without_isolation_unless_allowed(monkeypatch):
     refused = run_python("print('hi')\n", FAST)
     assert refused.status == "refused" and "allow_unisolated" in refused.output
     allowed = run_python("print('hi')\n", FAST, allow_unisolated=True)
-    assert allowed.passed and allowed.isolation == sandbox.WEAK
+    assert allowed.passed and allowed.isolation == sandbox.NAMESPACES
+
+
+def test_writes_to_shared_temp_dirs_stay_in_private_tmpfs():
+    """Each of /tmp, /var/tmp, /dev/shm is the program's own empty tmpfs: writes succeed there, the host's
+    folders gain nothing, the next program starts empty again, and 16 MiB (Limits.tmpfs_bytes) is all it gets."""
+    marker = f"quantgate-hostile-{uuid.uuid4().hex}"
+    code = (
+        "import json, os\n"
+        f"dirs = {SHARED_TMP!r}\n"
+        "seen = {d: os.listdir(d) for d in dirs}\n"
+        f"for d in dirs:\n    open(os.path.join(d, {marker!r}), 'w').write('x')\n"
+        "print(json.dumps({'before': seen, 'after': {d: os.listdir(d) for d in dirs}}))\n"
+    )
+    first = run_python(code, FAST)
+    assert first.passed, first.output
+    listing = json.loads(first.output)
+    assert listing == {"before": {d: [] for d in SHARED_TMP}, "after": {d: [marker] for d in SHARED_TMP}}
+    assert not [d for d in SHARED_TMP if os.path.exists(os.path.join(d, marker))]
+    second = run_python(code, FAST)
+    assert second.passed and json.loads(second.output) == listing  # the first program's files went with it
+    fill = run_python(
+        "import errno\nn = 0\ntry:\n    while True:\n"
+        "        open(f'/dev/shm/{n}', 'wb').write(bytes(2**19))\n        n += 1\n"
+        "except OSError as e:\n    print(n, errno.errorcode[e.errno])\n", FAST)
+    n, error = fill.output.split()
+    assert fill.passed and error == "ENOSPC" and 30 <= int(n) <= 32  # 32 half-MiB files fill 16 MiB, less metadata
+
+
+def test_files_outside_its_folder_cannot_be_read(tmp_path):
+    """A world-readable secret in a world-readable host folder, and the repository's params.yaml: readable to
+    any uid on the host (the NAMESPACES level reads them, which shows the test can fail), absent in the view."""
+    secret_dir = Path(f"/tmp/quantgate-secret-{uuid.uuid4().hex}")
+    secret_dir.mkdir(mode=0o755)
+    try:
+        secret = secret_dir / "secret.txt"
+        secret.write_text("s3cret")
+        secret.chmod(0o644)
+        targets = [str(secret), str(REPO / "params.yaml")]
+        code = (f"import json\nout = {{}}\nfor p in {targets!r}:\n    try:\n        out[p] = open(p).read()[:20]\n"
+                "    except OSError as e:\n        out[p] = type(e).__name__\nprint(json.dumps(out))\n")
+        full = run_python(code, FAST)
+        assert full.passed and json.loads(full.output) == {p: "FileNotFoundError" for p in targets}
+        assert full.isolation == sandbox.FULL
+        weaker = _at_namespaces(code)
+        assert json.loads(weaker.output)[str(secret)] == "s3cret"
+        assert json.loads(weaker.output)[str(REPO / "params.yaml")] == (REPO / "params.yaml").read_text()[:20]
+    finally:
+        (secret_dir / "secret.txt").unlink(missing_ok=True)
+        secret_dir.rmdir()
+
+
+def _at_namespaces(code: str):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sandbox, "isolation_available", lambda: False)
+        result = run_python(code, FAST, allow_unisolated=True)
+    assert result.isolation == sandbox.NAMESPACES and result.passed, result
+    return result
+
+
+def test_host_only_directories_are_absent():
+    r = run_python("import json, os\nprint(json.dumps({'root': sorted(os.listdir('/')), 'uid': os.getuid(), "
+                   "'cwd': os.getcwd(), 'dev': sorted(os.listdir('/dev'))}))\n", FAST)
+    seen = json.loads(r.output)
+    assert r.passed and seen["uid"] == sandbox.NOBODY and seen["cwd"] == sandbox.INSIDE
+    assert set(seen["root"]) <= {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "sandbox", "sbin",
+                                 "tmp", "usr", "var"}
+    assert not {"work", "root", "home", "mnt", "opt", "srv", "boot"} & set(seen["root"])
+    assert "shm" in seen["dev"] and not [d for d in seen["dev"] if d.startswith(("sd", "nvme", "loop", "mem"))]
+
+
+def test_without_bwrap_the_level_falls_back_and_is_refused(monkeypatch):
+    """bwrap missing: the probe finds NAMESPACES and says why; code is refused by default, and when the caller
+    allows it, it runs at NAMESPACES, named in the result (and sees the host's /work)."""
+    real_which = sandbox.shutil.which
+    monkeypatch.setattr(sandbox.shutil, "which", lambda tool: None if tool == "bwrap" else real_which(tool))
+    level, why = sandbox.isolation_level.__wrapped__()
+    assert level == sandbox.NAMESPACES and "bwrap not found" in why and "bubblewrap" in why
+    monkeypatch.setattr(sandbox, "isolation_level", lambda: (level, why))
+    refused = run_python("print('hi')\n", FAST)
+    assert (refused.status, refused.isolation) == ("refused", sandbox.NAMESPACES)
+    assert "bwrap not found" in refused.output and "allow_unisolated" in refused.output
+    allowed = run_python("import os\nprint(os.path.isdir('/work'))\n", FAST, allow_unisolated=True)
+    assert allowed.passed and allowed.isolation == sandbox.NAMESPACES and allowed.output.strip() == "True"
+
+
+@pytest.mark.parametrize("fake, says", [
+    ("echo 'bwrap: Unknown option --size' >&2; exit 1", "Unknown option --size"),  # an older bubblewrap
+    ('while [ "$1" != -- ]; do shift; done; shift; exec "$@"', "exit 1: "),  # runs the program with no view
+])
+def test_a_bwrap_that_does_not_build_the_view_is_not_trusted(monkeypatch, tmp_path, fake, says):
+    """The level comes from a real program run through bwrap, which must not see /root or /work."""
+    (tmp_path / "bwrap").write_text(f"#!/bin/sh\n{fake}\n")
+    (tmp_path / "bwrap").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    level, why = sandbox.isolation_level.__wrapped__()
+    assert level == sandbox.NAMESPACES and why.startswith("bwrap cannot build the sandbox") and why.endswith(says)
