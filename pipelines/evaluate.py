@@ -131,6 +131,12 @@ def _task_rows(key: str, task: str, cfg: dict, out: dict, summary: dict, items: 
     filt, metric = standard_tasks.scoring(cfg)
     res = out["results"][task]
     samples = [s for s in out["samples"][task] if s.get("filter") == filt]
+    graded = [s[metric] for s in samples if s[metric] not in (0, 1)]  # True/False and 0.0/1.0 compare equal
+    if graded:  # an f1 of 0.5 is neither right nor wrong: nothing to pair
+        summary[key] = {"task": task, "status": "refused", "score": None, "stderr": None, "items": 0,
+                        "reason": f"metric {metric!r} of task {task} is not 0/1 per item (e.g. {graded[0]!r}): only "
+                                  "pass/fail metrics pair; choose one with evaluate.tasks[].metric"}
+        return
     summary[key] = {"task": task, "status": "ok", "task_version": out.get("versions", {}).get(task), "metric": metric,
                     "filter": filt, "score": _number(res.get(f"{metric},{filt}")),
                     "stderr": _number(res.get(f"{metric}_stderr,{filt}")), "items": len(samples)}

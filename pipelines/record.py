@@ -447,8 +447,9 @@ def verify_version(client: MlflowClient, version) -> dict:
     underlying = RunsArtifactRepository.get_underlying_uri(version.source)
     if is_local_uri(underlying):
         _check_folder(Path(local_file_uri_to_path(underlying)), files, label)
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
+    else:  # beside the checkpoints (the disk sized for them), not the system's /tmp: a 70B model is 35-140 GB
+        Path("models").mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir="models", prefix=".verify-") as tmp:
             _check_folder(_download(version, Path(tmp), label), files, label)
     return {"version": str(version.version), "sha256": version.tags[CHECKPOINT_TAG], "files": len(files)}
 

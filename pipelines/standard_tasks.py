@@ -24,6 +24,21 @@ from pipelines.errors import QuantgateError
 SEP = ":"  # row key `<domain>:<task>`, item id `<task>:<doc_id>`
 
 
+LOADERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}  # suffix -> HF datasets builder
+
+
+def data_loader(data_files: dict[str, str], where: str) -> str:
+    """The HF datasets builder that reads every split's local file (one builder for all of them)."""
+    kinds = {split: LOADERS.get(Path(path).suffix.lower()) for split, path in data_files.items()}
+    if None in kinds.values():
+        split = next(s for s, k in kinds.items() if k is None)
+        raise QuantgateError(f"{where}: data file {data_files[split]} (split {split!r}): only "
+                             f"{', '.join(sorted(LOADERS))} files are read")
+    if len(set(kinds.values())) > 1:
+        raise QuantgateError(f"{where}: data_files mixes formats ({kinds}): give every split in one format")
+    return next(iter(kinds.values()))
+
+
 def untracked_data(tasks: dict, tracked: Path = Path("eval")) -> list[str]:
     """Local task data outside `tracked` (the folder dvc.yaml's baseline, evaluate and compare stages depend on):
     DVC would not see it change, so results made from it could be stale without anyone knowing."""
@@ -85,7 +100,7 @@ def task_config(domain: str, spec, include_path: str = "eval") -> dict:
         eval_split = cfg.get("test_split") or cfg.get("validation_split")
         if eval_split not in spec.data_files:
             raise QuantgateError(f"{where}: data_files has no {eval_split!r} split, the one the task evaluates on")
-        cfg["dataset_path"] = "json"
+        cfg["dataset_path"] = data_loader(spec.data_files, where)
         cfg.pop("dataset_name", None)
         cfg["dataset_kwargs"] = {"data_files": {split: str(Path(path).resolve()) for split, path in spec.data_files.items()}}
         shots = spec.num_fewshot if spec.num_fewshot is not None else cfg.get("num_fewshot") or 0

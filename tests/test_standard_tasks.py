@@ -470,3 +470,42 @@ def test_promotion_refuses_a_regression_on_a_standard_task_alone():
     assert len(reasons) == 1 and reasons[0].startswith("math:gsm8k: accuracy 0.600 vs production 0.750 on 400")
     # without the task configured the same items pass: the regression is the task row's alone
     assert regression_against(candidate, production, Params(evaluate={"domains": ["math"]})) == []
+
+
+def test_local_data_is_read_by_the_builder_its_suffix_names(tmp_path, gsm8k_files):
+    """parquet and csv files work as well as JSON lines; an unknown suffix or mixed formats are named."""
+    import pandas as pd
+
+    from pipelines.params import TaskParams
+
+    for split, path in gsm8k_files.items():
+        pd.read_json(path, lines=True).to_parquet(tmp_path / f"{split}.parquet")
+    spec = TaskParams(name="gsm8k", data_files={s: str(tmp_path / f"{s}.parquet") for s in gsm8k_files})
+    cfg = standard_tasks.task_config("math", spec)
+    assert cfg["dataset_path"] == "parquet"
+    assert cfg["dataset_kwargs"]["data_files"]["test"] == str((tmp_path / "test.parquet").resolve())
+    assert standard_tasks.doc_count("math", spec) == len(PROBLEMS)  # lm-eval really reads the parquet
+    with pytest.raises(QuantgateError, match=r"test.txt \(split 'test'\): only .csv, .json, .jsonl, .parquet"):
+        standard_tasks.data_loader({"test": "eval/math/test.txt"}, "evaluate.tasks.math: task gsm8k")
+    with pytest.raises(QuantgateError, match="mixes formats"):
+        standard_tasks.data_loader({"test": "a.parquet", "train": "b.jsonl"}, "evaluate.tasks.math: task gsm8k")
+
+
+def test_a_graded_metric_is_refused_not_read_as_right_or_wrong(gsm8k_files):
+    """An f1-like per-item value (0.5) is neither correct nor wrong: the row is refused, naming the metric."""
+    from pipelines.params import TaskParams
+
+    cfg = standard_tasks.task_config("math", TaskParams(name="gsm8k", data_files=gsm8k_files))
+    filt, metric = standard_tasks.scoring(cfg)
+
+    def out(values):
+        return {"results": {"gsm8k": {f"{metric},{filt}": 0.5}}, "versions": {"gsm8k": 3.0},
+                "samples": {"gsm8k": [{"filter": filt, metric: v, "doc_id": i, "doc_hash": "d", "prompt_hash": "p",
+                                       "target": "1", "filtered_resps": ["1"]} for i, v in enumerate(values)]}}
+
+    summary, items = {}, []
+    evaluate._task_rows("math:gsm8k", "gsm8k", cfg, out([1.0, 0.5]), summary, items)
+    assert summary["math:gsm8k"]["status"] == "refused" and items == []
+    assert summary["math:gsm8k"]["reason"].startswith(f"metric {metric!r} of task gsm8k is not 0/1 per item (e.g. 0.5)")
+    evaluate._task_rows("math:gsm8k", "gsm8k", cfg, out([1.0, 0.0, True]), summary, items)
+    assert summary["math:gsm8k"]["status"] == "ok" and [r["correct"] for r in items] == [True, False, True]
