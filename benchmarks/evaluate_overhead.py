@@ -21,6 +21,7 @@ import torch  # noqa: E402
 
 from pipelines import evaluate, fidelity, logs  # noqa: E402
 from pipelines.models import load_variant  # noqa: E402
+from pipelines.params import DEFAULT_PROBES as PROBES  # noqa: E402
 
 DOMAINS = ["math", "chat", "code_comment"]  # code probes add sandbox time that bare lm-eval would not have
 
@@ -32,7 +33,7 @@ def bare_lm_eval(model, tok, batch_size: int) -> int:
 
     with logs.library_output("bench"):
         out = simple_evaluate(model=HFLM(pretrained=model, tokenizer=tok, batch_size=batch_size),
-                              tasks=[evaluate.PROBES[d][0] for d in DOMAINS],
+                              tasks=[PROBES[d].task for d in DOMAINS],
                               task_manager=TaskManager(include_path="eval", include_defaults=False), log_samples=True)
     return sum(len(v) for v in out["samples"].values())
 
@@ -62,7 +63,8 @@ def main() -> None:
         items = bare_lm_eval(model, tok, args.batch_size)
         best["bare"] = min(best["bare"], time.perf_counter() - t)
         t = time.perf_counter()
-        evaluate.run_probes(model, tok, DOMAINS, args.batch_size)
+        evaluate.run_probes(model, tok, {d: list(range(len(evaluate.probe_items(d)))) for d in DOMAINS}, args.batch_size,
+                            probes={d: PROBES[d].model_dump() for d in DOMAINS})
         best["quantgate"] = min(best["quantgate"], time.perf_counter() - t)
         t = time.perf_counter()
         forward_only(model, base)

@@ -19,11 +19,11 @@ import numpy as np
 from scipy.spatial.distance import jensenshannon
 
 from pipelines import synthetic
-from pipelines.classify import classify
+from pipelines.classify import UNDECIDED, Classifier
 from pipelines.code_comments import bare_functions, extract
 from pipelines.errors import QuantgateError
 from pipelines.io import atomic_dir, read_jsonl, sha256_file, sha256_text, write_json
-from pipelines.params import CALIBRATED_METHODS, DOMAINS, METHODS, CalibrationParams, CoverageParams, SourceParams
+from pipelines.params import CALIBRATED_METHODS, METHODS, CalibrationParams, CoverageParams, SourceParams
 from pipelines.pii import mask
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ MATH_LINES_PER_SAMPLE = 6
 
 
 @dataclass(frozen=True)
-class Candidate:
+class CalibrationText:
     text: str
     source: str  # file:line, or generator and index
 
@@ -56,7 +56,7 @@ def _python_files(src: SourceParams) -> list[Path]:
     return files
 
 
-def _from_datasets(src: SourceParams) -> list[Candidate]:
+def _from_datasets(src: SourceParams) -> list[CalibrationText]:
     """Local JSONL/Parquet/CSV files and hub datasets, all through `datasets.load_dataset`."""
     import datasets
 
@@ -76,10 +76,10 @@ def _from_datasets(src: SourceParams) -> list[Candidate]:
         where = str(path)
     if src.text_field not in ds.column_names:
         raise QuantgateError(f"{where}: no column '{src.text_field}' (text_field); columns: {ds.column_names}")
-    return [Candidate(t, f"{where}:{i + 1}") for i, t in enumerate(ds[src.text_field]) if isinstance(t, str)]
+    return [CalibrationText(t, f"{where}:{i + 1}") for i, t in enumerate(ds[src.text_field]) if isinstance(t, str)]
 
 
-def load_source(src: SourceParams, seed: int) -> list[Candidate]:
+def load_source(src: SourceParams, seed: int) -> list[CalibrationText]:
     """Every candidate text one source offers, with where each came from."""
     try:
         return _load_source(src, seed)
@@ -87,16 +87,16 @@ def load_source(src: SourceParams, seed: int) -> list[Candidate]:
         raise QuantgateError(f"calibration.sources: {err.msg}") from None
 
 
-def _load_source(src: SourceParams, seed: int) -> list[Candidate]:
+def _load_source(src: SourceParams, seed: int) -> list[CalibrationText]:
     if src.kind == "python_code":
-        return [Candidate(s.text, f"{p}:{s.line}") for p in _python_files(src)
+        return [CalibrationText(s.text, f"{p}:{s.line}") for p in _python_files(src)
                 for s in bare_functions(p.read_text(encoding="utf-8"), str(p))]
     if src.kind == "python_comments":
-        return [Candidate(s.text, f"{p}:{s.line}") for p in _python_files(src)
+        return [CalibrationText(s.text, f"{p}:{s.line}") for p in _python_files(src)
                 for s in extract(p.read_text(encoding="utf-8"), str(p))]
     if src.kind == "math":
         lines = synthetic.math_lines(seed, src.count * MATH_LINES_PER_SAMPLE)
-        return [Candidate("\n".join(lines[i : i + MATH_LINES_PER_SAMPLE]), f"math-generator(seed={seed}):{i // MATH_LINES_PER_SAMPLE + 1}")
+        return [CalibrationText("\n".join(lines[i : i + MATH_LINES_PER_SAMPLE]), f"math-generator(seed={seed}):{i // MATH_LINES_PER_SAMPLE + 1}")
                 for i in range(0, len(lines), MATH_LINES_PER_SAMPLE)]
     return _from_datasets(src)
 
@@ -109,10 +109,10 @@ def _load_source(src: SourceParams, seed: int) -> list[Candidate]:
 def quotas(recipe: CalibrationParams) -> dict[str, int]:
     """Samples per domain: `samples` split by weight, largest remainder, summing exactly to `samples`."""
     domains = recipe.domains
-    total_w = sum(recipe.weights.get(d, 0.0) for d in domains)
-    raw = {d: recipe.samples * recipe.weights.get(d, 0.0) / total_w for d in domains}
+    total_w = sum(recipe.weight(d) for d in domains)
+    raw = {d: recipe.samples * recipe.weight(d) / total_w for d in domains}
     out = {d: int(v) for d, v in raw.items()}
-    for d in sorted(domains, key=lambda d: (out[d] - raw[d], DOMAINS.index(d)))[: recipe.samples - sum(out.values())]:
+    for d in sorted(domains, key=lambda d: (out[d] - raw[d], d))[: recipe.samples - sum(out.values())]:
         out[d] += 1
     return out
 
@@ -134,7 +134,7 @@ def jaccard(a: frozenset, b: frozenset) -> float:
     return len(a & b) / len(a | b) if a or b else 1.0
 
 
-def select(domain: str, candidates: list[Candidate], want: int, recipe: CalibrationParams, tokenizer) -> tuple[list[dict], dict]:
+def select(domain: str, candidates: list[CalibrationText], want: int, recipe: CalibrationParams, tokenizer) -> tuple[list[dict], dict]:
     """Seeded pick of `want` samples within the token bounds, exact and near duplicates skipped."""
     order = list(range(len(candidates)))
     random.Random(f"{recipe.seed}:{domain}").shuffle(order)
@@ -180,7 +180,7 @@ def token_stats(rows: list[dict]) -> dict:
 
 def build_sets(recipe: CalibrationParams, tokenizer) -> tuple[dict[str, list[dict]], list[dict], dict]:
     """(per-domain rows, mixed rows, per-domain selection stats) for a recipe."""
-    by_domain: dict[str, list[Candidate]] = {d: [] for d in recipe.domains}
+    by_domain: dict[str, list[CalibrationText]] = {d: [] for d in recipe.domains}
     for src in recipe.sources:
         if src.domain in by_domain:
             by_domain[src.domain].extend(load_source(src, recipe.seed))
@@ -241,16 +241,66 @@ def _ngrams(ids: list[int], n: int) -> set[tuple[int, ...]]:
     return {tuple(ids[i : i + n]) for i in range(len(ids) - n + 1)}
 
 
+def classifier_report(texts: list[str], labels: list[str | None], cov: CoverageParams,
+                      predicted: list[str] | None = None) -> dict:
+    """How often the classifier names a labelled request's true type: per type, overall, and the confusion matrix.
+
+    Only rows with a label count (None: unlabelled). Per true type: its requests, how many the classifier named
+    correctly, the accuracy and `below_threshold` (accuracy < coverage.min_classifier_accuracy); a type with no
+    labelled request has accuracy None and is not flagged. `confusion[true][predicted]` counts every pairing, with
+    `unknown` and `ambiguous` as predicted columns; `predicted` (the classifier's answers) is computed if not given.
+    """
+    types = sorted(cov.classify)
+    undeclared = sorted({lab for lab in labels if lab is not None and lab not in types})
+    if undeclared:
+        raise QuantgateError(f"label {undeclared[0]!r} is not a declared request type; declared: {', '.join(types)}")
+    if predicted is None:
+        classifier = Classifier(cov.classify)
+        predicted = [classifier.classify(mask(t)) for t in texts]
+    columns = [*types, *UNDECIDED]
+    confusion = {t: dict.fromkeys(columns, 0) for t in types}
+    for lab, pred in zip(labels, predicted):
+        if lab is not None:
+            confusion[lab][pred] += 1
+    per_type = {}
+    for t in types:
+        n, correct = sum(confusion[t].values()), confusion[t][t]
+        accuracy = correct / n if n else None
+        per_type[t] = {"requests": n, "correct": correct,
+                       "accuracy": round(accuracy, 4) if accuracy is not None else None,
+                       "below_threshold": accuracy is not None and accuracy < cov.min_classifier_accuracy,
+                       **{u: confusion[t][u] for u in UNDECIDED}}
+    labelled = sum(v["requests"] for v in per_type.values())
+    correct = sum(v["correct"] for v in per_type.values())
+    return {
+        "labelled_requests": labelled,
+        "unlabelled_requests": sum(lab is None for lab in labels),
+        "label_field": cov.label_field,
+        "threshold": cov.min_classifier_accuracy,
+        "rule": f"flagged when a type's accuracy on its labelled requests < {cov.min_classifier_accuracy}",
+        "accuracy": round(correct / labelled, 4) if labelled else None,
+        "correct": correct,
+        **{u: sum(confusion[t][u] for t in types) for u in UNDECIDED},
+        "flagged": [t for t, v in per_type.items() if v["below_threshold"]],
+        "types": per_type,
+        "columns": columns,
+        "confusion": confusion,
+    }
+
+
 def coverage_report(traffic: list[str], sets: dict[str, list[dict]], mixed: list[dict], cov: CoverageParams,
-                    tokenizer) -> dict:
-    """Per domain: production vs calibration share, length distance, n-gram coverage, and the flag."""
+                    tokenizer, truth: list[str | None] | None = None) -> dict:
+    """Per domain: production vs calibration share, length distance, n-gram coverage, and the flag; with `truth`
+    (each request's label, or None) also how accurate the classifier is on the labelled ones (`classifier`)."""
     masked = [mask(t) for t in traffic]
-    labels = [classify(t) for t in masked]
+    classifier = Classifier(cov.classify)
+    labels = [classifier.classify(t) for t in masked]
+    measured = classifier_report(masked, truth or [None] * len(traffic), cov, predicted=labels)
     prod_ids = tokenizer(masked, add_special_tokens=False)["input_ids"]
     calib_ngrams = set().union(*(_ngrams(ids, cov.ngram) for ids in
                                  tokenizer([r["text"] for r in mixed], add_special_tokens=False)["input_ids"]))
     domains = {}
-    for d in DOMAINS:
+    for d in sorted(cov.classify):
         idx = [i for i, lab in enumerate(labels) if lab == d]
         rows = sets.get(d, [])
         prod_share = len(idx) / len(traffic)
@@ -271,6 +321,7 @@ def coverage_report(traffic: list[str], sets: dict[str, list[dict]], mixed: list
             "length_js_distance": round(js, 4),
             "ngram_coverage": round(ngram_cov, 4) if ngram_cov is not None else None,
             "under_represented": flagged,
+            "classifier_accuracy": measured["types"][d]["accuracy"],  # None: no labelled request of this type
             "examples": [masked[i][:200] for i in idx[:2]],
         }
     gaps = [d for d, v in domains.items() if v["under_represented"]]
@@ -281,19 +332,28 @@ def coverage_report(traffic: list[str], sets: dict[str, list[dict]], mixed: list
         "under_represented": gaps,
         "covered": not gaps,
         "domains": domains,
+        # the shares above are the classifier's; a type it recognises too rarely makes them wrong (on_gap applies)
+        "classifier_flagged": measured["flagged"],
+        "classifier": measured,
     }
 
 
-def load_traffic(cov: CoverageParams) -> list[str]:
+def load_traffic(cov: CoverageParams) -> tuple[list[str], list[str | None]]:
+    """(texts, labels) of the production sample; a row without `coverage.label_field` has label None."""
     rows = read_jsonl(cov.traffic)
     if not rows:
         raise QuantgateError(f"{cov.traffic}: no requests (coverage.traffic)")
-    texts = []
+    texts, labels = [], []
     for number, row in enumerate(rows, start=1):
         if not isinstance(row.get(cov.text_field), str):
             raise QuantgateError(f"{cov.traffic}:{number}: no string field '{cov.text_field}' (coverage.text_field)")
+        label = row.get(cov.label_field)
+        if label is not None and (not isinstance(label, str) or label not in cov.classify):
+            raise QuantgateError(f"{cov.traffic}:{number}: label {label!r} ({cov.label_field}) is not a declared "
+                                 f"request type; declared: {', '.join(sorted(cov.classify))} (requests in params.yaml)")
         texts.append(row[cov.text_field])
-    return texts
+        labels.append(label)
+    return texts, labels
 
 
 def plot_coverage(report: dict, out_dir: Path = COVERAGE_DIR) -> None:
@@ -310,14 +370,47 @@ def plot_coverage(report: dict, out_dir: Path = COVERAGE_DIR) -> None:
                  title="Calibration set vs production traffic", ylabel="share of requests / samples")
 
 
+def plot_classifier(measured: dict, out_dir: Path = COVERAGE_DIR) -> None:
+    """The confusion matrix as a heatmap (PNG, counts in the cells, shaded by share of the true type's requests),
+    and one {actual, predicted} row per labelled request for `dvc plots` (its confusion template)."""
+    from pipelines.plots import plt, save
+
+    types, columns = list(measured["confusion"]), measured["columns"]
+    write_json(out_dir / "classifier_predictions.json",
+               [{"actual": t, "predicted": p} for t in types for p in columns for _ in range(measured["confusion"][t][p])])
+    counts = np.array([[measured["confusion"][t][p] for p in columns] for t in types], dtype=float)
+    shares = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    fig, ax = plt.subplots(figsize=(2.2 + 1.1 * len(columns), 1.4 + 0.6 * len(types)))
+    ax.imshow(shares, cmap="Blues", vmin=0, vmax=1, aspect="auto")
+    for i in range(len(types)):
+        for j in range(len(columns)):
+            ax.text(j, i, f"{int(counts[i, j])}", ha="center", va="center", fontsize=8,
+                    color="white" if shares[i, j] > 0.6 else "black")
+    rows = []
+    for t in types:
+        v = measured["types"][t]
+        acc = "-" if v["accuracy"] is None else f"{100 * v['accuracy']:.1f}%"
+        rows.append(f"{t} ({acc}{', BELOW THRESHOLD' if v['below_threshold'] else ''})")
+    ax.set_xticks(range(len(columns)), columns, rotation=20, ha="right", fontsize=8)
+    ax.set_yticks(range(len(types)), rows, fontsize=8)
+    ax.set_xlabel("classified as")
+    ax.set_ylabel("labelled (accuracy)")
+    overall = "no labelled requests" if measured["accuracy"] is None else f"accuracy {100 * measured['accuracy']:.1f}%"
+    ax.set_title(f"Request classifier on the labelled production sample: {overall} "
+                 f"(threshold {100 * measured['threshold']:.0f}%)", fontsize=9)
+    save(fig, out_dir / "classifier_confusion.png")
+
+
 def run(recipe: CalibrationParams, cov: CoverageParams, tokenizer, tokenizer_name: str,
         built_dir: Path = BUILT_DIR, coverage_dir: Path = COVERAGE_DIR) -> dict:
     """The whole stage; raises QuantgateError on bad input before anything is written."""
-    traffic = load_traffic(cov)
+    traffic, truth = load_traffic(cov)
     sets, mixed, stats = build_sets(recipe, tokenizer)
-    report = coverage_report(traffic, sets, mixed, cov, tokenizer)
+    report = coverage_report(traffic, sets, mixed, cov, tokenizer, truth)
     manifest = write_sets(sets, mixed, stats, recipe, tokenizer_name, built_dir)
     report["calibration_sha256"] = manifest["mixed_sha256"]
     write_json(coverage_dir / "coverage.json", report)
     plot_coverage(report, coverage_dir)
+    write_json(coverage_dir / "classifier.json", report["classifier"])
+    plot_classifier(report["classifier"], coverage_dir)
     return report

@@ -69,12 +69,29 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                  100 * row["production_share"], 100 * row["calibration_share"],
                  "-" if row["ngram_coverage"] is None else f"{100 * row['ngram_coverage']:.0f}%",
                  "  UNDER-REPRESENTED" if row["under_represented"] else "")
+    measured = report["classifier"]
+
+    def percent(accuracy: float | None) -> str:
+        return "-" if accuracy is None else f"{100 * accuracy:.1f}%"
+
+    log.info("calibrate: classifier accuracy %s on %d labelled requests (%s), confusion matrix in %s",
+             percent(measured["accuracy"]), measured["labelled_requests"],
+             ", ".join(f"{t} {percent(v['accuracy'])}" for t, v in measured["types"].items()),
+             calibrate.COVERAGE_DIR / "classifier_confusion.png")
     log.info("calibrate: sets in %s, coverage in %s", calibrate.BUILT_DIR, calibrate.COVERAGE_DIR / "coverage.json")
+    problems = []
     if report["under_represented"]:
-        message = (f"calibration set under-represents {', '.join(report['under_represented'])} "
-                   f"against {params.coverage.traffic} ({report['rule']})")
+        problems.append(f"calibration set under-represents {', '.join(report['under_represented'])} "
+                        f"against {params.coverage.traffic} ({report['rule']})")
+    if report["classifier_flagged"]:
+        problems.append("the classifier recognises too few labelled requests of " + ", ".join(
+            f"{t} ({100 * measured['types'][t]['accuracy']:.1f}%, {measured['types'][t]['correct']}/"
+            f"{measured['types'][t]['requests']})" for t in report["classifier_flagged"])
+            + f" in {params.coverage.traffic}, below coverage.min_classifier_accuracy "
+            f"{params.coverage.min_classifier_accuracy}; the coverage shares of those types are not to be trusted")
+    for message in problems:
         if params.coverage.on_gap == "fail":
-            raise QuantgateError(message + "; coverage.on_gap is 'fail'")
+            raise QuantgateError("; ".join(problems) + "; coverage.on_gap is 'fail'")
         log.warning("calibrate: warning: %s", message)
     return 0
 
@@ -83,6 +100,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     """Quantize one variant in its own process; its failure (an exception, a crash, a hang past
     quantize.timeout_seconds) is recorded in its manifest and the stage still succeeds."""
     from pipelines import quantize
+    from pipelines.calibrate import BUILT_DIR
     from pipelines.io import write_json
     from pipelines.isolation import run_isolated
     from pipelines.models import resolve_device, resolve_model
@@ -97,7 +115,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     device = resolve_device(params.device)
     with logs.progress(total=1, desc=f"quantize {args.variant} ({settings.method})", bar_format="{desc}: {elapsed}") as bar:
         done, error = run_isolated(quantize.quantize_variant,
-                                   (args.variant, settings, source, Path("calibration_sets/built"), device),
+                                   (args.variant, settings, source, BUILT_DIR, device),
                                    params.quantize.timeout_seconds, f"quantize {args.variant}", logs.current_log_file)
         bar.update()
     manifest, timing = (quantize.record_failure(args.variant, settings, source, device, error), {}) if error else done
@@ -166,18 +184,19 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 def cmd_memory_report(args: argparse.Namespace) -> int:
     """Every variant's memory on one chart each, and growth against fp16."""
-    from pipelines import memory
+    from pipelines import memory_plots, memory_verdict
     from pipelines.io import read_json, write_json
     from pipelines.params import load_params
+    from pipelines.plots import PLOTS_DIR
 
     params = load_params()
     results = {}
     for name in [*params.variants, *params.candidates]:
         path = MEMORY_DIR / f"{name}.json"
         results[name] = read_json(path) if path.is_file() else {"status": "failed", "error": f"{path} missing"}
-    summary = memory.summarize(results, params.memory)
-    write_json(RESULTS / "memory_summary.json", summary)
-    memory.plot_all(results, RESULTS / "plots")
+    summary = memory_verdict.summarize(results, params.memory)
+    write_json(memory_verdict.SUMMARY, summary)
+    memory_plots.plot_all(results, PLOTS_DIR)
     for name, row in summary["variants"].items():
         if row["status"] == "ok":
             excess = row["growth_excess_pct"]
@@ -283,18 +302,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from pipelines.lineage import lock_digest
     from pipelines.models import VARIANTS_DIR
     from pipelines.params import load_params
+    from pipelines.plots import PLOTS_DIR
 
     params = load_params()
     plans = compare.probe_plans(params.evaluate.domains, params.evaluate)
     report = compare.compare_all(list(params.variants), list(params.candidates), plans, params.compare, RESULTS,
                                  VARIANTS_DIR)
     report["dvc_lock_sha256"] = lock_digest()  # what `gate` checks the results against
-    write_json(RESULTS / "compare.json", report)
+    write_json(compare.REPORT, report)
     atomic_write_text(RESULTS / "compare.csv", pd.DataFrame(compare.flat_rows(report)).to_csv(index=False))
-    write_json(RESULTS / "plots" / "differences.json",  # a DVC data plot: `dvc plots diff` across experiments
+    write_json(PLOTS_DIR / "differences.json",  # a DVC data plot: `dvc plots diff` across experiments
                [{"row": f"{r['variant']} {r['domain']}", "difference": r["difference"], "ci_low": r["ci_low"],
                  "verdict": r["verdict"]} for r in compare.flat_rows(report)])
-    compare.plot_all(report, RESULTS / "plots")
+    compare.plot_all(report, PLOTS_DIR)
     if report["fp16"]["status"] != "ok":
         log.warning("compare: baseline fp16 unusable (%s): every verdict is fail", report["fp16"]["error"])
     for name, v in report["variants"].items():
@@ -311,6 +331,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 ROUTING_TABLE = RESULTS / "routing_table.json"
+MLFLOW_RUN = RESULTS / "mlflow_run.json"  # record writes it, gate reads it (cli.py keeps the path: gate imports no mlflow)
 
 
 def cmd_route(args: argparse.Namespace) -> int:
@@ -326,15 +347,15 @@ def cmd_route(args: argparse.Namespace) -> int:
                  row["domain"], args.context_tokens, row["max_context_tokens"], row["serve"],
                  row["fallback_under_memory_pressure"], row["reason"])
         return 0
-    from pipelines import route
+    from pipelines import compare, route
     from pipelines.io import read_json, write_json, write_yaml
     from pipelines.lineage import lock_digest
     from pipelines.models import VARIANTS_DIR
 
     params = load_params()
-    report = read_json(RESULTS / "compare.json")
+    report = read_json(compare.REPORT)
     table = route.build_table(report, params.route.context_buckets, params.compare.policy_for, VARIANTS_DIR,
-                              lock_digest())
+                              lock_digest(), {name: rule.model_dump() for name, rule in params.coverage.classify.items()})
     write_json(ROUTING_TABLE, table)
     write_yaml(ROUTING_TABLE.with_suffix(".yaml"), table)
     for row in table["rows"]:
@@ -358,8 +379,8 @@ def cmd_record(args: argparse.Namespace) -> int:
     uri = tracking_uri()
     with logs.library_output("mlflow"):
         summary = record.record_pipeline(params, uri, digest, git_commit(), artifact_root=artifact_root())
-    write_json(RESULTS / "mlflow_run.json", {**summary, "tracking_uri": uri, "results_digest": digest,
-                                              "registered_model": params.registered_model_name()})
+    write_json(MLFLOW_RUN, {**summary, "tracking_uri": uri, "results_digest": digest,
+                            "registered_model": params.registered_model_name()})
     if summary["status"] == "already recorded":
         log.info("record: results %s already recorded as run %s: nothing written", digest[:12], summary["parent_run_id"])
     else:
@@ -412,7 +433,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         if BASELINE in (args.variant or []):
             raise QuantgateError(f"--variant {BASELINE}: fp16 is the baseline every variant is judged against")
         changes = workspace_changes()
-        compare_path, table_path = RESULTS / "compare.json", ROUTING_TABLE
+        compare_path, table_path = compare.REPORT, ROUTING_TABLE
         report = read_json(compare_path) if compare_path.is_file() else None
         table = read_json(table_path) if table_path.is_file() else None
         if not changes:  # recompute the comparison from the per-item records: the same function compare ran
@@ -423,7 +444,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         digest = results_digest()
         result["results_digest"] = digest
         result["git"] = git_commit()
-        run_file = RESULTS / "mlflow_run.json"
+        run_file = MLFLOW_RUN
         if run_file.is_file():
             run = read_json(run_file)
             if run.get("results_digest") == digest:

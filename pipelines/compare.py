@@ -7,7 +7,7 @@ baseline apart as "could not decide"). The accuracy rule is non-inferiority (pip
 `pass` when the interval's low end is at or above -margin, `fail` when the point estimate is below
 -margin, `inconclusive` only when the interval straddles -margin after the last look. `inconclusive` never routes and never releases.
 `judge` is the one function that turns numbers into a verdict; `gate` calls it again to re-derive.
-A standard lm-eval task (`evaluate.tasks`) is its own row `<domain>:<task>` beside the domain's row, judged
+A standard lm-eval task (`requests.<name>.tasks`) is its own row `<domain>:<task>` beside the domain's row, judged
 the same way under the domain's policy; `judge` also takes the domain's task-row verdicts, so the domain's
 row is the worst of its own and its task rows' (a failing task row fails it, an inconclusive one leaves it
 inconclusive unless it fails on its own), and gate and route, which read the domain's row, hold the domain to
@@ -28,6 +28,7 @@ from pipelines.io import read_json, read_jsonl
 from pipelines.params import CompareParams, EvaluateParams, PolicyParams
 
 BASELINE = "fp16"
+REPORT = Path("results/compare.json")  # the stage's report: verdicts and the numbers behind them
 VERDICTS = ("pass", "inconclusive", "fail")
 MIN_FIDELITY_TOKENS = 100  # llama.cpp prints no KL summary below 100 scored tokens
 
@@ -56,7 +57,7 @@ def probe_plans(domains: list[str], p: EvaluateParams, eval_dir: Path = EVAL_DIR
                 raise QuantgateError(f"{path}:{line}: duplicate item id {item_id!r} (first on line {seen[item_id]})")
             seen[item_id] = line
         plans[domain] = {"pool": len(ids), "looks": sequential.plan(len(ids), p.look_items, p.max_items, p.max_looks),
-                         "order": sequential.ordered(ids, domain),
+                         "order": sequential.ordered(ids, domain), "probe": p.probes[domain].model_dump(),
                          # an item without a family (missing or null) is a family of its own
                          "families": {str(item.get("id")): f"item:{item.get('id')}" if item.get("family") is None
                                       else str(item["family"]) for item in items}}

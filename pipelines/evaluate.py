@@ -3,7 +3,7 @@
 Each variant is loaded once through the shared loader and wrapped in lm-eval's HFLM; every item's
 target, response and correctness is kept under its stable id (`doc.id`, with lm-eval's doc and
 prompt hashes) so the A/B stage can pair items across variants. Batch size and seeds are fixed:
-lm-eval scores can move with batch size. Standard lm-eval tasks listed in `evaluate.tasks` run in the
+lm-eval scores can move with batch size. Standard lm-eval tasks listed in `requests.<name>.tasks` run in the
 same calls, as rows `<domain>:<task>` with item ids `<task>:<doc_id>` (pipelines/standard_tasks.py).
 """
 
@@ -19,24 +19,21 @@ from pipelines.models import load_variant
 
 log = logging.getLogger(__name__)
 
-EVAL_DIR = Path("eval")
-# domain -> (lm-eval task, the metric that scores an item correct)
-PROBES = {"math": ("quantgate_math", "exact_match"), "code": ("quantgate_code", "pass@1"),
-          "chat": ("quantgate_chat", "acc"), "code_comment": ("quantgate_code_comment", "exact_match")}
+EVAL_DIR = Path("eval")  # a request type's probes: eval/<name>/items.jsonl and its lm-eval task YAML
+PROBE_TASK_PREFIX = "quantgate_"  # probe tasks are named so; standard lm-eval tasks never are (params.py checks)
 PLACEHOLDERS = (999, "N/A")
-REQUIRED_FIELDS = {"math": ("id", "question", "answer"), "code": ("id", "prompt", "canonical", "tests"),
-                   "chat": ("id", "context", "choices", "gold"), "code_comment": ("id", "prompt", "answer")}
 
 
-def check_items(domains: list[str]) -> None:
-    """Every probe file exists and every item has what its task needs; errors name file, line and field."""
+def check_items(probes: dict[str, dict]) -> None:
+    """Every probe file exists and every item has the fields its request type declares; errors name file, line
+    and field. `probes`: request type -> its declared probes (params.ProbeParams as a dict)."""
     from pipelines.errors import QuantgateError
     from pipelines.io import read_jsonl
 
-    for domain in domains:
+    for domain, probe in probes.items():
         path = EVAL_DIR / domain / "items.jsonl"
         for number, item in enumerate(read_jsonl(path), start=1):
-            missing = [f for f in REQUIRED_FIELDS[domain] if item.get(f) in (None, "")]
+            missing = [f for f in probe["fields"] if item.get(f) in (None, "")]
             if missing:
                 raise QuantgateError(f"{path}:{number}: item {item.get('id', '?')} has no {', '.join(missing)}")
 
@@ -51,7 +48,7 @@ def _number(value):
 def row_of(record: dict) -> str:
     """The row a per-item record is judged in: its domain for the domain's probe task, else `<domain>:<task>`."""
     domain, task = record.get("domain"), record.get("task")
-    if task is None or task == PROBES.get(domain, (None,))[0]:
+    if task is None or str(task).startswith(PROBE_TASK_PREFIX):
         return domain
     return standard_tasks.row_key(domain, task)
 
@@ -63,12 +60,13 @@ def probe_items(domain: str) -> list[dict]:
     return read_jsonl(EVAL_DIR / domain / "items.jsonl")
 
 
-def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int,
-               allow_unisolated_code: bool = False, configs: dict[str, dict] | None = None) -> tuple[dict, list[dict]]:
+def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int, allow_unisolated_code: bool = False,
+               configs: dict[str, dict] | None = None, probes: dict[str, dict] | None = None) -> tuple[dict, list[dict]]:
     """(summary per row, per-item records) of one lm_eval.simple_evaluate call over the given doc ids.
 
     `requests` is keyed by row: a domain (its probe task) or `<domain>:<task>`, whose lm-eval config
-    (standard_tasks.task_config) is in `configs`.
+    (standard_tasks.task_config) is in `configs`; a domain's declared probes (task, metric, runs_code) are in
+    `probes`.
 
     Code probes and sandboxed code tasks (humaneval, mbpp) run model-written code through the sandbox; where
     it cannot isolate and the user has not allowed unisolated runs, those rows are refused (recorded, never
@@ -82,18 +80,19 @@ def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int
 
     summary: dict = {}
     isolated = sandbox.isolation_available()
-    configs = configs or {}
-    # rows that run model-written code: the code probes and sandboxed standard tasks (humaneval, mbpp)
-    running_code = [d for d in requests if d == "code" or (d in configs and standard_tasks.sandboxed(configs[d]))]
+    configs, probes = configs or {}, probes or {}
+    # rows that run model-written code: probes declared runs_code (code) and sandboxed standard tasks (humaneval, mbpp)
+    running_code = [d for d in requests if (d in configs and standard_tasks.sandboxed(configs[d]))
+                    or (d not in configs and probes[d]["runs_code"])]
     if running_code:
         if not isolated and not allow_unisolated_code:
             for d in running_code:
-                summary[d] = {"task": configs[d]["task"] if d in configs else PROBES["code"][0], "status": "refused",
+                summary[d] = {"task": configs[d]["task"] if d in configs else probes[d]["task"], "status": "refused",
                               "score": None, "stderr": None, "items": 0, "reason": "sandbox isolation unavailable; "
                               "set evaluate.allow_unisolated_code: true to run code probes anyway"}
             requests = {d: ids for d, ids in requests.items() if d not in running_code}
         os.environ["QUANTGATE_ALLOW_UNISOLATED_CODE"] = "1" if allow_unisolated_code else "0"
-    tasks = {configs[d]["task"] if d in configs else PROBES[d][0]: d for d in requests}
+    tasks = {configs[d]["task"] if d in configs else probes[d]["task"]: d for d in requests}
     if not tasks:
         return summary, []
     with library_output("lm_eval"):
@@ -111,7 +110,7 @@ def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int
             if standard_tasks.sandboxed(configs[domain]):
                 summary[domain]["isolation"] = sandbox.isolation_level()[0]
             continue
-        metric = PROBES[domain][1]
+        metric = probes[domain]["metric"]
         res = out["results"][task]
         samples = out["samples"][task]
         summary[domain] = {"task": task, "status": "ok", "task_version": out.get("versions", {}).get(task), "metric": metric,
@@ -121,7 +120,7 @@ def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int
             items.append({"domain": domain, "task": task, "item_id": str(s["doc"]["id"]), "family": s["doc"].get("family"),
                           "doc_id": s["doc_id"], "doc_hash": s["doc_hash"], "prompt_hash": s["prompt_hash"],
                           "target": str(s["target"]), "response": str(s["filtered_resps"][0]), "correct": bool(s[metric])})
-        if domain == "code":
+        if probes[domain]["runs_code"]:
             summary[domain]["isolation"] = sandbox.isolation_level()[0]
     return summary, items
 
@@ -135,7 +134,7 @@ def _task_rows(key: str, task: str, cfg: dict, out: dict, summary: dict, items: 
     if graded:  # an f1 of 0.5 is neither right nor wrong: nothing to pair
         summary[key] = {"task": task, "status": "refused", "score": None, "stderr": None, "items": 0,
                         "reason": f"metric {metric!r} of task {task} is not 0/1 per item (e.g. {graded[0]!r}): only "
-                                  "pass/fail metrics pair; choose one with evaluate.tasks[].metric"}
+                                  "pass/fail metrics pair; choose one with requests.<name>.tasks[].metric"}
         return
     summary[key] = {"task": task, "status": "ok", "task_version": out.get("versions", {}).get(task), "metric": metric,
                     "filter": filt, "score": _number(res.get(f"{metric},{filt}")),
@@ -186,6 +185,7 @@ def evaluate_looks(model, tokenizer, plans: dict[str, dict], batch_size: int, al
     done = {d: 0 for d in plans}
     active = [d for d in plans if plans[d]["looks"]]
     configs = task_configs(plans)
+    probes = {d: plan["probe"] for d, plan in plans.items() if "probe" in plan}
     positions = {d: {standard_tasks.item_id(plans[d]["task"], n): n for n in range(plans[d]["pool"])} if d in configs
                  else {str(item.get("id")): n for n, item in enumerate(probe_items(d))} for d in plans}
     for look in range(max((len(p["looks"]) for p in plans.values()), default=0)):
@@ -193,7 +193,7 @@ def evaluate_looks(model, tokenizer, plans: dict[str, dict], batch_size: int, al
                     for d in active if look < len(plans[d]["looks"])}
         if not requests:
             break
-        block, items = run_probes(model, tokenizer, requests, batch_size, allow_unisolated_code, configs)
+        block, items = run_probes(model, tokenizer, requests, batch_size, allow_unisolated_code, configs, probes)
         _merge(summary, block)
         records += items
         for d in list(requests):
@@ -213,15 +213,13 @@ def evaluate_looks(model, tokenizer, plans: dict[str, dict], batch_size: int, al
     return summary, records
 
 
-def full_text(domain: str, item: dict) -> str:
-    """A probe item as plain text: its prompt followed by its gold answer."""
-    if domain == "math":
-        return item["question"] + item["answer"]
-    if domain == "code":
-        return item["prompt"] + item["canonical"]
-    if domain == "code_comment":
-        return item["prompt"] + " " + item["answer"]
-    return item["context"] + item["choices"][item["gold"]]
+def full_text(template: str, item: dict) -> str:
+    """A probe item as plain text, its prompt followed by its gold answer: the request type's `probes.text`
+    Jinja template (e.g. `{{question}}{{answer}}`) rendered with the item's fields."""
+    import jinja2
+
+    env = jinja2.Environment(keep_trailing_newline=True, undefined=jinja2.StrictUndefined, autoescape=False)
+    return env.from_string(template).render(**item)
 
 
 def _interleaved(families: list[str]) -> list[str]:
@@ -236,7 +234,7 @@ def _interleaved(families: list[str]) -> list[str]:
     return order
 
 
-def fidelity_texts(domains: list[str], per_domain: int) -> dict[str, list[str]]:
+def fidelity_texts(domains: list[str], per_domain: int, probes: dict[str, dict]) -> dict[str, list[str]]:
     """Held-out text per domain: probe prompts with their gold answers, taken round-robin across the pool's
     families (item `family`, spread by kind first: math kinds, code and comment templates, chat intents),
     so KL sees every kind of item instead of the first N of one kind."""
@@ -251,7 +249,7 @@ def fidelity_texts(domains: list[str], per_domain: int) -> dict[str, list[str]]:
             for rows in queues:
                 if rows and len(picked) < per_domain:
                     picked.append(rows.pop(0))
-        texts[domain] = [full_text(domain, r) for r in picked]
+        texts[domain] = [full_text(probes[domain]["text"], r) for r in picked]
     return texts
 
 
@@ -267,7 +265,7 @@ def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, f
     domains = [d for d in plans if not standard_tasks.is_task_row(d)]
     fidelity_domains = list(dict.fromkeys(plan.get("domain", d) for d, plan in plans.items()))  # a task row's is its domain's
     try:
-        check_items(domains)
+        check_items({d: plans[d]["probe"] for d in domains})
         model, tokenizer = load_variant(variant_dir, device)
         if tokenizer.pad_token is None:  # HFLM batches need one; say so rather than fail deep inside
             tokenizer.pad_token = tokenizer.eos_token
@@ -276,7 +274,7 @@ def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, f
                                         compare.policy_for if compare else None, compare)
         result["probes"] = summary
         if baseline is None:
-            texts = fidelity_texts(fidelity_domains, p.fidelity_texts)
+            texts = fidelity_texts(fidelity_domains, p.fidelity_texts, p.model_dump()["probes"])
             fidelity.save_base(fidelity.base_record(model, tokenizer, texts, p.top_k, device), fidelity_base)
         result["fidelity"] = fidelity.compare(model, fidelity.load_base(fidelity_base), fidelity_domains, device)
         result["status"] = "ok"

@@ -169,13 +169,15 @@ def regression_against(candidate_items: list[dict], production_items: list[dict]
             continue
         before = [prod[i]["correct"] for i in common]
         after = [cand[i]["correct"] for i in common]
-        row = stats.paired_comparison(before, after, families=[prod[i].get("family") or i for i in common],
-                                      confidence=params.compare.confidence)
+        paired = stats.paired_comparison(before, after, families=[prod[i].get("family") or i for i in common],
+                                         confidence=params.compare.confidence)
+        # stats names the base side fp16 (as in compare.json); here the base is the production version
+        paired["accuracy_production"] = paired.pop("accuracy_fp16")
         margin = params.compare.policy_for(domain).max_accuracy_drop
-        if not math.isfinite(row["ci_low"]) or row["ci_low"] < -margin:
-            reasons.append(f"{row_name}: accuracy {row['accuracy']:.3f} vs production {row['accuracy_fp16']:.3f} on "
-                           f"{len(common)} common items, difference interval [{row['ci_low']:+.3f}, {row['ci_high']:+.3f}] "
-                           f"reaches below -{margin}")
+        if not math.isfinite(paired["ci_low"]) or paired["ci_low"] < -margin:
+            reasons.append(f"{row_name}: accuracy {paired['accuracy']:.3f} vs production "
+                           f"{paired['accuracy_production']:.3f} on {len(common)} common items, difference interval "
+                           f"[{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}] reaches below -{margin}")
     return reasons
 
 

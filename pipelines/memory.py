@@ -9,6 +9,9 @@ Both devices report the same JSON shape. On CUDA the numbers come from `torch.cu
 and NVML (process and device memory, which also counts the CUDA context and kernel workspaces). On a
 CPU, `allocated` and `reserved` come from glibc's `mallinfo2()` (bytes in use vs bytes the heap
 holds, so 1 - allocated/reserved is the same fragmentation ratio), and `process` is the RSS.
+
+This module measures; `pipelines/memory_verdict.py` judges (leak verdict, growth against fp16) and
+`pipelines/memory_plots.py` draws the charts.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
-import math
 import threading
 import time
 from pathlib import Path
@@ -28,6 +30,7 @@ from scipy import stats
 
 from pipelines import logs
 from pipelines.isolation import run_isolated
+from pipelines.memory_verdict import leak_verdict
 from pipelines.models import load_variant, variant_manifest
 from pipelines.params import MemoryParams
 
@@ -376,26 +379,6 @@ def soak(model, probe, p: MemoryParams, max_len: int, vocab: int, device: str, l
     return result
 
 
-def leak_verdict(soak_result: dict, footprint: int, p: MemoryParams) -> dict:
-    """Leak when memory never settled (it still grows at the last round) and the growth rate over `rounds`
-    rounds exceeds leak_tolerance_pct of the load footprint. Warm-up that plateaus is not a leak."""
-    rate = soak_result.get("growth_bytes_per_round")
-    if rate is None or not math.isfinite(rate) or footprint <= 0:
-        return {"leak": None, "reason": "too few measured rounds or no footprint to judge"}
-    projected = rate * p.rounds
-    pct = 100 * projected / footprint
-    leak = pct > p.leak_tolerance_pct
-    measured = len(soak_result["rounds"])
-    warm = soak_result.get("warmup_end_round")
-    state = (f"settled at round {warm} of {measured} (rises under the {p.noise_floor_bytes:,} B noise floor after it)"
-             if warm is not None else f"still growing {rate:,.0f} B/round over the last {soak_result['tail_rounds']} "
-             f"of {measured} rounds")
-    return {"leak": leak, "growth_bytes_per_round": rate, "projected_growth_bytes": projected,
-            "growth_pct_of_footprint": pct, "tolerance_pct": p.leak_tolerance_pct, "noise_floor_bytes": p.noise_floor_bytes,
-            "reason": f"{state}; over {p.rounds} rounds that is {pct:.3f} % of the load footprint: "
-                      f"{'a leak' if leak else 'not a leak'} (tolerance {p.leak_tolerance_pct} %)"}
-
-
 def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0,
             leak_rounds: int | None = None) -> dict:
     """All phases for one variant, in this process; failures are recorded, never raised."""
@@ -465,91 +448,3 @@ def _measure_logged(variant_dir: str, p: MemoryParams, device: str, leak_bytes_p
                     leak_rounds: int | None, log_file: str) -> dict:
     logs.setup(log_file=Path(log_file))
     return measure(variant_dir, p, device, leak_bytes_per_round, leak_rounds)
-
-
-# --------------------------------------------------------------------------------------------
-# Every variant together: growth against fp16, and the charts
-# --------------------------------------------------------------------------------------------
-
-
-def _ooms(r: dict) -> str | None:
-    """Every out-of-memory error one variant's measurement saw, with its phase; None when there was none."""
-    ooms = [f"sweep at {x['tokens']} tokens: {x['oom']}" for x in r["sweep"]["lengths"] if x.get("oom")]
-    if r["soak"].get("oom"):
-        ooms.append(r["soak"]["oom"])
-    if (r.get("allocator") or {}).get("ooms"):
-        ooms.append(f"the CUDA allocator ran out of memory {r['allocator']['ooms']} times (caught and retried)")
-    return "; ".join(ooms) or None
-
-
-def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = "fp16") -> dict:
-    """Per variant: footprint, peaks, growth rate, leak verdict, OOM, and growth_excess_pct against fp16.
-
-    growth_excess_pct = 100 x (variant's growth rate - fp16's) x `rounds` / fp16's footprint, where the growth
-    rate is 0 for memory that settled (warm-up that plateaus counts as nothing) and the last rounds' slope for
-    memory that never did: extra growth on a common denominator, so 3 % means 'grows 3 % of an fp16 model more
-    over the rounds'.
-    """
-    base = results.get(baseline)
-    base_ok = bool(base) and base.get("status") == "ok"
-    base_growth = base["soak"]["growth_bytes_per_round"] if base_ok else None
-    rows = {}
-    for name, r in results.items():
-        if r.get("status") != "ok":
-            rows[name] = {"status": "failed", "error": r.get("error", "no result")}
-            continue
-        growth = r["soak"]["growth_bytes_per_round"]
-        row = {"status": "ok", "device": r["device"], "footprint_bytes": r["load"]["footprint_bytes"],
-               "theoretical_weight_bytes": r["load"]["theoretical_weight_bytes"],
-               "peak_by_tokens": {str(x["tokens"]): x.get("decode_peak_increase") for x in r["sweep"]["lengths"]},
-               "fitted_bytes_per_token": r["sweep"]["fitted_bytes_per_token"],
-               "theoretical_kv_bytes_per_token": r["sweep"]["theoretical_kv_bytes_per_token"],
-               "measured_rounds": len(r["soak"]["rounds"]), "warmup_end_round": r["soak"].get("warmup_end_round"),
-               "growth_bytes_per_round": growth,
-               "growth_bytes_per_request": None if growth is None else growth / r["soak"]["requests_per_round"],
-               "leak": r["leak"]["leak"], "oom": _ooms(r),
-               "fragmentation": r["soak"]["fragmentation"]["one_minus_allocated_over_reserved"],
-               "growth_excess_pct": None}
-        if base_ok and growth is not None and base_growth is not None:
-            row["growth_excess_pct"] = 100 * (growth - base_growth) * p.rounds / base["load"]["footprint_bytes"]
-        if base_ok:
-            row["footprint_saving_pct"] = 100 * (1 - r["load"]["footprint_bytes"] / base["load"]["footprint_bytes"])
-        rows[name] = row
-    return {"baseline": baseline, "baseline_ok": base_ok, "noise_floor_bytes": p.noise_floor_bytes, "variants": rows}
-
-
-def plot_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
-    """Memory over soak rounds and peak against sequence length, every variant on one chart each."""
-    import matplotlib.pyplot as plt
-
-    from pipelines.plots import save
-
-    ok = {n: r for n, r in results.items() if r.get("status") == "ok"}
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    for name, r in ok.items():
-        rounds = r["soak"]["rounds"]
-        first = rounds[0][r["soak"]["signal"]] if rounds else 0
-        line, = ax.plot([x["round"] for x in rounds], [(x[r["soak"]["signal"]] - first) / 1024 for x in rounds],
-                        marker="o", markersize=3, label=f"{name}{' (LEAK)' if r['leak']['leak'] else ''}")
-        warm = r["soak"].get("warmup_end_round")
-        if warm:  # where growth fell to the noise floor and stayed there: what came before is warm-up
-            ax.axvline(warm, color=line.get_color(), linestyle=":", linewidth=1)
-    ax.text(0.01, 0.97, "dotted: end of warm-up (growth at or under the noise floor from there on)",
-            transform=ax.transAxes, fontsize=7, va="top")
-    ax.set_xlabel("measured soak round")
-    ax.set_ylabel("growth since first round (KiB)")
-    ax.set_title("Memory over repeated mixed traffic")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    rounds_png = save(fig, out_dir / "memory_over_rounds.png")
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.6))
-    for name, r in ok.items():
-        pts = [(x["tokens"], x["decode_peak_increase"]) for x in r["sweep"]["lengths"] if x.get("decode_peak_increase") is not None]
-        ax.plot([t for t, _ in pts], [b / 2**20 for _, b in pts], marker="o", label=name)
-    ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("decode peak above load (MiB)")
-    ax.set_title("Peak memory against sequence length")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return [rounds_png, save(fig, out_dir / "peak_vs_length.png")]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from pipelines.errors import QuantgateError
 
@@ -60,19 +60,58 @@ class ReferenceParams(Section):
     eval_items: int = Field(200, gt=0)
 
 
-DOMAINS = ("chat", "code", "code_comment", "math")
+REQUEST_NAME = re.compile(r"^[a-z][a-z0-9_]{0,40}$")
+RESERVED_REQUEST_NAMES = ("default", "unknown", "ambiguous")  # compare.policy.default; the classifier's undecided
+TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 SOURCE_KINDS = ("python_code", "python_comments", "math", "jsonl", "parquet", "csv", "hf")
 
 
+class ClassifyParams(Section):
+    """How the classifier recognises a request type (docs/request-types.md): named regular expressions, whose
+    match counts a `when` expression combines with the built-in counts `code_lines`, `comment_lines` and `chars`.
+    Of the types whose `when` holds, the highest `priority` wins; a tie there is ambiguous (served by fp16)."""
+
+    patterns: dict[str, str] = {}
+    when: str = "false"
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _compiles(self):
+        from pipelines.classify import Rule  # the classifier owns the expression language
+
+        Rule.compile("", self.model_dump())  # raises ValueError naming the bad pattern or expression
+        return self
+
+
+class ProbeParams(Section):
+    """A request type's probes: the lm-eval task in eval/<name>/ over eval/<name>/items.jsonl, the per-item metric
+    that says correct, the fields every item needs, and the item as plain text (a Jinja template) for fidelity."""
+
+    task: str
+    metric: str = "exact_match"
+    fields: list[str] = ["id", "prompt", "answer"]
+    text: str = "{{prompt}} {{answer}}"
+    runs_code: bool = False  # its metric runs model-written code: only in the sandbox
+
+    @model_validator(mode="after")
+    def _check(self):
+        if "id" not in self.fields:
+            raise ValueError("fields must include 'id' (items are paired across variants by it)")
+        if not self.task.startswith("quantgate_") or not TASK_NAME.match(self.task):
+            raise ValueError(f"probe task {self.task!r}: name it quantgate_<something> (its YAML in eval/<type>/); "
+                             "lm-eval's own tasks go under `tasks`")
+        return self
+
+
 class SourceParams(Section):
-    """Where one domain's calibration text comes from.
+    """Where one request type's calibration text comes from (`domain`: filled from `requests.<name>`).
 
     `python_code` / `python_comments`: a folder of .py files (code alone / comment + code);
     `math`: the seeded math generator (`count` samples); `jsonl`, `parquet`, `csv`: a local file with a
     `text_field`; `hf`: a Hugging Face `datasets` source (`name`, `config`, `split`, `text_field`).
     """
 
-    domain: Literal["chat", "code", "code_comment", "math"]
+    domain: str = ""
     kind: Literal["python_code", "python_comments", "math", "jsonl", "parquet", "csv", "hf"]
     path: str | None = None
     text_field: str = "text"
@@ -99,35 +138,67 @@ DEFAULT_SOURCES = (
 )
 
 
+# The shipped request types' probes and classifier rules (their whole declaration: DEFAULT_REQUESTS)
+DEFAULT_PROBES = {
+    "math": ProbeParams(task="quantgate_math", fields=["id", "question", "answer"], text="{{question}}{{answer}}"),
+    "code": ProbeParams(task="quantgate_code", metric="pass@1", fields=["id", "prompt", "canonical", "tests"],
+                        text="{{prompt}}{{canonical}}", runs_code=True),
+    "chat": ProbeParams(task="quantgate_chat", metric="acc", fields=["id", "context", "choices", "gold"],
+                        text="{{context}}{{choices[gold]}}"),
+    "code_comment": ProbeParams(task="quantgate_code_comment"),
+}
+DEFAULT_CLASSIFY = {
+    "math": ClassifyParams(patterns={
+        "symbol": r"[√×÷±≤≥≠π∑∫²³]|\\(frac|sqrt|times|div|cdot|sum|int|pi|le|ge)\b|\^\d",
+        "arithmetic": r"\d\s*[-+*/×÷^=]\s*[\d(√\\]|\(\s*\d",
+        "ask": r"(?i)\b(solve|compute|calculate|simplify|evaluate|equation|fraction|square root)\b|计算|求解|等于多少"},
+        when="symbol + arithmetic >= 2 or (symbol + arithmetic >= 1 and (ask >= 1 or chars < 40))", priority=10),
+    "code": ClassifyParams(when="code_lines >= 2", priority=20),
+    "chat": ClassifyParams(when="true", priority=0),
+    "code_comment": ClassifyParams(patterns={
+        "ask": r"(?i)\b(comment|comments|commented|docstring|docstrings|document (this|the) (code|function)|"
+               r"annotate)\b|注释|文档字符串"},
+        when="(comment_lines >= 1 and (code_lines >= 1 or ask >= 1)) or (code_lines >= 1 and ask >= 1)",
+        priority=30),
+}
+
+
 class CalibrationParams(Section):
     """The calibration recipe: how many samples of which domain, how long, how deduplicated."""
 
     seed: int = 0
     samples: int = Field(512, gt=0)
-    weights: dict[Literal["chat", "code", "code_comment", "math"], float] = {d: 1.0 for d in DOMAINS}
+    weights: dict[str, float] = {}  # a declared request type left out weighs 1.0
     min_tokens: int = Field(16, gt=0)
     max_tokens: int = Field(192, gt=0)
     near_duplicate_jaccard: float = Field(0.8, gt=0, le=1)
     exclude: list[str] = []
+    # from requests.<name>.calibration (Params fills it; params.yaml declares sources only there)
     sources: list[SourceParams] = Field(default_factory=lambda: list(DEFAULT_SOURCES))
 
     @model_validator(mode="after")
     def _check(self):
-        unknown = [d for d in self.exclude if d not in DOMAINS]
+        types = sorted({s.domain for s in self.sources})
+        unknown = [d for d in [*self.exclude, *self.weights] if d not in types]
         if unknown:
-            raise ValueError(f"unknown domain {unknown[0]!r} in exclude; domains are {', '.join(DOMAINS)}")
+            raise ValueError(f"unknown request type {unknown[0]!r} in calibration.exclude or weights; declared: "
+                             f"{', '.join(types)}")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens {self.min_tokens} is above max_tokens {self.max_tokens}")
         if any(w < 0 for w in self.weights.values()):
             raise ValueError("weights must be >= 0")
-        if not [d for d in self.domains if self.weights.get(d, 0) > 0]:
-            raise ValueError("every domain is excluded or has weight 0")
+        if not self.domains:
+            raise ValueError("every request type is excluded or has weight 0")
         return self
 
     @property
     def domains(self) -> list[str]:
-        """Domains this recipe samples, in the fixed order of DOMAINS."""
-        return [d for d in DOMAINS if d not in self.exclude and self.weights.get(d, 0) > 0]
+        """Request types this recipe samples, in name order (the set does not depend on declaration order)."""
+        return [d for d in sorted({s.domain for s in self.sources})
+                if d not in self.exclude and self.weights.get(d, 1.0) > 0]
+
+    def weight(self, domain: str) -> float:
+        return self.weights.get(domain, 1.0)
 
 
 class CoverageParams(Section):
@@ -138,6 +209,10 @@ class CoverageParams(Section):
     min_share_ratio: float = Field(0.5, ge=0)
     ngram: int = Field(3, gt=0)
     on_gap: Literal["warn", "fail"] = "warn"
+    min_classifier_accuracy: float = Field(0.8, ge=0, le=1)  # flag a request type the classifier recognises less often
+    label_field: str = "label"  # the traffic sample's field that holds each request's true type (if labelled)
+    # from requests.<name>.classify (Params fills it): the classifier's rules, one entry per request type
+    classify: dict[str, ClassifyParams] = Field(default_factory=lambda: dict(DEFAULT_CLASSIFY))
 
 
 METHODS = ("none", "bnb-int8", "awq", "gptq")
@@ -221,7 +296,6 @@ class MemoryParams(Section):
         return self
 
 
-TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 class TaskParams(Section):
@@ -251,7 +325,8 @@ class TaskParams(Section):
 class EvaluateParams(Section):
     """Probes through lm-eval and token-level fidelity against fp16."""
 
-    domains: list[Literal["chat", "code", "code_comment", "math"]] = ["math", "code", "chat", "code_comment"]
+    # the request types evaluated, in this order; left out of params.yaml: every declared one, in declaration order
+    domains: list[str] = Field(default_factory=lambda: list(DEFAULT_PROBES))
     allow_unisolated_code: bool = False  # run code probes even where the sandbox cannot isolate
     batch_size: int = Field(16, gt=0)  # fixed: lm-eval scores can move with batch size
     look_items: int = Field(200, gt=0)  # the first look judges this many items
@@ -259,11 +334,16 @@ class EvaluateParams(Section):
     max_items: int | None = Field(None, gt=0)  # cap on the items a domain is judged on; None = the whole pool
     fidelity_texts: int = Field(50, gt=0)  # held-out texts per domain
     top_k: int = Field(64, gt=0)  # stored base log-probs per token
-    # standard lm-eval tasks per domain, each judged as its own row `<domain>:<task>` (docs/evaluate.md)
-    tasks: dict[Literal["chat", "code", "code_comment", "math"], list[TaskParams]] = {}
+    # from requests.<name> (Params fills them): each type's probes, and standard lm-eval tasks judged beside them as
+    # rows `<domain>:<task>` (docs/evaluate.md)
+    probes: dict[str, ProbeParams] = Field(default_factory=lambda: dict(DEFAULT_PROBES))
+    tasks: dict[str, list[TaskParams]] = {}
 
     @model_validator(mode="after")
     def _check_tasks(self):
+        unknown = [d for d in [*self.domains, *self.tasks] if d not in self.probes]
+        if unknown:
+            raise ValueError(f"unknown request type {unknown[0]!r} in evaluate; declared: {', '.join(self.probes)}")
         seen: set[str] = set()
         for domain, specs in self.tasks.items():
             if specs and domain not in self.domains:
@@ -309,9 +389,6 @@ class CompareParams(Section):
 
     @model_validator(mode="after")
     def _check(self):
-        unknown = set(self.policy) - {"default", *DOMAINS}
-        if unknown:
-            raise ValueError(f"policy for unknown domain {sorted(unknown)[0]!r}: use default or one of {', '.join(DOMAINS)}")
         default = self.policy.get("default")
         missing = [k for k, v in DEFAULT_POLICY.model_dump().items() if default is None or getattr(default, k) is None]
         if missing:
@@ -340,6 +417,32 @@ class RouteParams(Section):
         return self
 
 
+class RequestParams(Section):
+    """One request type, declared once: how the classifier recognises it, its calibration sources, its probes,
+    standard lm-eval tasks judged beside them, and gate limits that differ from compare.policy.default."""
+
+    classify: ClassifyParams
+    calibration: list[SourceParams] = []
+    probes: ProbeParams
+    tasks: list[TaskParams] = []
+    policy: PolicyParams | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if any(src.domain for src in self.calibration):
+            raise ValueError("a calibration source here needs no 'domain': it is this request type's")
+        return self
+
+
+def _shipped_requests() -> dict[str, RequestParams]:
+    """math, code, chat, code_comment: the embedded default's request types (params.yaml spells them out)."""
+    sources: dict[str, list[SourceParams]] = {}
+    for src in DEFAULT_SOURCES:
+        sources.setdefault(src.domain, []).append(src.model_copy(update={"domain": ""}))
+    return {name: RequestParams(classify=DEFAULT_CLASSIFY[name], calibration=sources[name], probes=probe)
+            for name, probe in DEFAULT_PROBES.items()}
+
+
 class MlflowParams(Section):
     """Where `record` writes: the experiment, and the registered model that passing variants join."""
 
@@ -347,22 +450,78 @@ class MlflowParams(Section):
     registered_model: str | None = None  # None: quantgate-<model>, e.g. quantgate-reference
 
 
-class Params(Section):
-    """The whole of params.yaml."""
+# The sections' per-request-type parts that Params fills from `requests` (each type is declared there only)
+DERIVED_FROM_REQUESTS = {"calibration": {"sources"}, "coverage": {"classify"}, "evaluate": {"probes", "tasks"}}
 
+
+class Params(Section):
+    """The whole of params.yaml.
+
+    `requests` comes first: the sections that need a request type's declaration (calibration sources, classifier
+    rules, probes, tasks, policy) receive it from there, so each type is declared in one place only."""
+
+    requests: dict[str, RequestParams] = Field(default_factory=_shipped_requests)
     model: str = "reference"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     reference: ReferenceParams = ReferenceParams()
-    calibration: CalibrationParams = CalibrationParams()
-    coverage: CoverageParams = CoverageParams()
+    calibration: CalibrationParams = Field(default_factory=CalibrationParams, validate_default=True)
+    coverage: CoverageParams = Field(default_factory=CoverageParams, validate_default=True)
     variants: dict[str, VariantParams] = Field(default_factory=lambda: dict(DEFAULT_VARIANTS))
     candidates: dict[str, CandidateParams] = {}
     quantize: QuantizeParams = QuantizeParams()
     memory: MemoryParams = MemoryParams()
-    evaluate: EvaluateParams = EvaluateParams()
-    compare: CompareParams = CompareParams()
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams, validate_default=True)
+    compare: CompareParams = Field(default_factory=CompareParams, validate_default=True)
     route: RouteParams = RouteParams()
     mlflow: MlflowParams = MlflowParams()
+
+    @field_validator("requests")
+    @classmethod
+    def _request_names(cls, value: dict):
+        for name in value:
+            if not REQUEST_NAME.match(name) or name in RESERVED_REQUEST_NAMES:
+                raise ValueError(f"request type name {name!r}: lowercase letters, digits and '_', starting with a "
+                                 f"letter, and not {', '.join(RESERVED_REQUEST_NAMES)}")
+        if not value:
+            raise ValueError("declare at least one request type")
+        return value
+
+    @field_validator("calibration", "coverage", "evaluate", "compare", mode="before")
+    @classmethod
+    def _from_requests(cls, value, info: ValidationInfo):
+        """Fill a section's per-type part from `requests`; params.yaml may not declare it anywhere else."""
+        requests = info.data.get("requests")
+        if requests is None:  # `requests` itself is invalid: its error is reported
+            return value
+        raw = value.model_dump() if isinstance(value, BaseModel) else dict(value or {})
+        given = isinstance(value, dict)
+        section = info.field_name
+        if section == "calibration":
+            if given and "sources" in raw:
+                raise ValueError("calibration.sources: declare a request type's sources under "
+                                 "requests.<name>.calibration")
+            raw["sources"] = [{**src.model_dump(), "domain": name} for name, r in requests.items()
+                              for src in r.calibration]
+        elif section == "coverage":
+            if given and "classify" in raw:
+                raise ValueError("coverage.classify: declare the classifier's rules under requests.<name>.classify")
+            raw["classify"] = {name: r.classify.model_dump() for name, r in requests.items()}
+        elif section == "evaluate":
+            for key in ("probes", "tasks"):
+                if given and key in raw:
+                    raise ValueError(f"evaluate.{key}: declare them under requests.<name>.{key}")
+            raw["probes"] = {name: r.probes.model_dump() for name, r in requests.items()}
+            if not given or "domains" not in raw:
+                raw["domains"] = list(requests)
+            raw["tasks"] = {name: [t.model_dump() for t in r.tasks] for name, r in requests.items() if r.tasks}
+        else:
+            policy = dict(raw.get("policy") or {"default": DEFAULT_POLICY.model_dump()})
+            if given and set(policy) - {"default"}:
+                raise ValueError(f"compare.policy.{sorted(set(policy) - {'default'})[0]}: declare a request type's "
+                                 "limits under requests.<name>.policy (compare.policy holds only default)")
+            policy.update({name: r.policy.model_dump() for name, r in requests.items() if r.policy is not None})
+            raw["policy"] = policy
+        return raw
 
     @model_validator(mode="after")
     def _names(self):
@@ -415,7 +574,10 @@ def _describe(err: dict, path: Path, root: yaml.Node | None) -> str:
     where = f"{path}:{line}" if line else str(path)
     if err["type"] == "extra_forbidden":
         return f"{where}: unknown key '{key}' (misspelled? see docs/params.md)"
-    return f"{where}: key '{key}': {err['msg'].lower()}, got {err.get('input')!r}"
+    got = err.get("input")
+    shown = "" if isinstance(got, (dict, list)) else f", got {got!r}"  # a whole section says nothing
+    msg = err["msg"][:1].lower() + err["msg"][1:]  # keep the rest's case: names and expressions are quoted as written
+    return f"{where}: key '{key}': {msg}{shown}"
 
 
 def load_params(path: str | Path = PARAMS_FILE) -> Params:

@@ -11,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+PLOTS_DIR = Path("results/plots")  # every stage's charts
+
 
 def save(fig, path: Path) -> Path:
     """Save through a temp file and rename, like every other output."""

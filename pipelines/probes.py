@@ -9,7 +9,6 @@ from __future__ import annotations
 import random
 
 from pipelines import synthetic
-from pipelines.reference import chat_items
 
 PROBE_SEED = 2024
 POOL = 1000  # items per domain (math 2000; code: the 546 cases there are); the first look takes 200 (evaluate.look_items)
@@ -49,6 +48,20 @@ def code_comment_probes(seed: int = PROBE_SEED, count: int = POOL) -> list[dict]
         items.append({"template": template, "n": n, "family": f"{template}-p{phrasing}", "comment": comment,
                       "prompt": prompt, "answer": body.strip()})
     return [{"id": f"code_comment-{i:04d}", **item} for i, item in enumerate(items)]
+
+
+def chat_items(dialogues: list[dict], seed: int, count: int, n_choices: int = 4) -> list[dict]:
+    """Given a customer turn, pick the agent reply of the same intent and language."""
+    rng = random.Random(seed)
+    items = []
+    for d in rng.sample(dialogues, min(count, len(dialogues))):
+        others = [o["agent"] for o in dialogues if o["lang"] == d["lang"] and o["intent"] != d["intent"]]
+        wrong = rng.sample(sorted(set(others)), n_choices - 1)
+        gold = rng.randrange(n_choices)
+        choices = [" " + c for c in wrong[:gold] + [d["agent"]] + wrong[gold:]]
+        items.append({"context": f"Customer: {d['customer']}\nAgent:", "choices": choices, "gold": gold,
+                      "family": f"{d['intent']}-{d['lang']}-{d['ask']}"})
+    return items
 
 
 def chat_probes(seed: int = PROBE_SEED, count: int = POOL) -> list[dict]:

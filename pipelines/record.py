@@ -34,7 +34,7 @@ from mlflow import MlflowClient
 from pipelines.compare import BASELINE, flat_rows, usable
 from pipelines.errors import QuantgateError
 from pipelines.io import read_json, read_jsonl, sha256_file
-from pipelines.params import Params
+from pipelines.params import DERIVED_FROM_REQUESTS, Params
 from pipelines.route import weights_sha256
 
 KIND_TAG = "quantgate.kind"
@@ -222,6 +222,16 @@ def _log_files(files: list[Path], artifact_path: str | None = None) -> None:
             mlflow.log_artifact(str(path), artifact_path)
 
 
+def classifier_metrics(measured: dict) -> dict[str, float]:
+    """The request classifier's accuracy on the labelled production sample (results/calibration/classifier.json)
+    as parent-run metrics: `classifier_accuracy` and `classifier_accuracy.<type>` (none where nothing is labelled)."""
+    metrics = {f"classifier_accuracy.{t}": v["accuracy"] for t, v in (measured.get("types") or {}).items()
+               if v.get("accuracy") is not None}
+    if measured.get("accuracy") is not None:
+        metrics["classifier_accuracy"] = measured["accuracy"]
+    return metrics
+
+
 def record_pipeline(params: Params, tracking_uri: str, digest: str, commit: dict, root: Path = Path("."),
                     artifact_root: Path | None = None) -> dict:
     """Record compare/route/memory/eval results under one parent run; register passing variants."""
@@ -257,7 +267,7 @@ def _record(client: MlflowClient, params: Params, digest: str, commit: dict, roo
                           tags={KIND_TAG: "pipeline", DIGEST_TAG: digest, FORMAT_TAG: RECORD_FORMAT,
                                 "git.commit": str(commit.get("commit")),
                                 "git.dirty": str(commit.get("dirty")), "model": params.model}) as parent:
-        mlflow.log_params(flatten("", params.model_dump(mode="json"), {}))
+        mlflow.log_params(flatten("", params.model_dump(mode="json", exclude=DERIVED_FROM_REQUESTS), {}))
         mlflow.log_table(pd.DataFrame(flat_rows(report)), "tables/compare.json")
         mlflow.log_table(pd.DataFrame(routing_rows(table)), "tables/routing_table.json")
         built = root / "calibration_sets/built"
@@ -265,8 +275,12 @@ def _record(client: MlflowClient, params: Params, digest: str, commit: dict, roo
         _dataset_inputs([(f"probes-{d}", root / "eval" / d / "items.jsonl") for d in report["domains"]], "evaluation")
         _log_files([results / "compare.json", results / "compare.csv", results / "routing_table.json",
                     results / "routing_table.yaml", results / "memory_summary.json",
-                    results / "calibration/coverage.json", root / "dvc.lock", root / "params.yaml"], "results")
+                    results / "calibration/coverage.json", results / "calibration/classifier.json",
+                    root / "dvc.lock", root / "params.yaml"], "results")
         _log_files(sorted((results / "plots").glob("*.png")), "plots")
+        _log_files([results / "calibration/coverage.png", results / "calibration/classifier_confusion.png"], "plots")
+        if (results / "calibration/classifier.json").is_file():
+            mlflow.log_metrics(classifier_metrics(read_json(results / "calibration/classifier.json")))
         checkpoints = {}
         for name in names:
             children[name], checkpoints[name] = _record_child(name, report, params, root, digest, exp_id)

@@ -21,6 +21,7 @@ from pipelines.code_comments import CommentSample, extract
 from pipelines.io import atomic_dir, write_json
 from pipelines.logs import progress
 from pipelines.params import ReferenceParams
+from pipelines.probes import chat_items
 
 log = logging.getLogger(__name__)
 
@@ -275,20 +276,6 @@ def multiple_choice_accuracy(model, tokenizer, items: list[dict]) -> float:
         ]
         correct += max(range(len(scores)), key=scores.__getitem__) == item["gold"]
     return correct / len(items)
-
-
-def chat_items(dialogues: list[dict], seed: int, count: int, n_choices: int = 4) -> list[dict]:
-    """Given a customer turn, pick the agent reply of the same intent and language."""
-    rng = random.Random(seed)
-    items = []
-    for d in rng.sample(dialogues, min(count, len(dialogues))):
-        others = [o["agent"] for o in dialogues if o["lang"] == d["lang"] and o["intent"] != d["intent"]]
-        wrong = rng.sample(sorted(set(others)), n_choices - 1)
-        gold = rng.randrange(n_choices)
-        choices = [" " + c for c in wrong[:gold] + [d["agent"]] + wrong[gold:]]
-        items.append({"context": f"Customer: {d['customer']}\nAgent:", "choices": choices, "gold": gold,
-                      "family": f"{d['intent']}-{d['lang']}-{d['ask']}"})
-    return items
 
 
 def skill_report(model, tokenizer, corpus: Corpus, p: ReferenceParams) -> dict:

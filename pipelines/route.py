@@ -44,8 +44,21 @@ def provenance(name: str, variants_dir: Path, compare_row: dict | None) -> dict:
             "method": manifest.get("method"), "device": manifest.get("device")}
 
 
-def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path, digest: str | None) -> dict:
-    """The routing table: one row per domain and context bucket."""
+def baseline_rows(names: list[str], buckets: list[int], why: str, digest: str | None, base_mem: dict | None) -> list[dict]:
+    """Rows that fp16 serves whatever was measured: requests the classifier could not decide, and declared
+    request types that were not evaluated."""
+    return [{"domain": name, "max_context_tokens": tokens, "serve": BASELINE, "fallback_under_memory_pressure": BASELINE,
+             "reason": why.format(name=name), "cost_bytes": {"serve": cost_bytes(base_mem, tokens), "fp16": cost_bytes(base_mem, tokens)}, "evidence": None,
+             "considered": [], "provenance": {"checkpoint_sha256": {}, "calibration_sha256": None, "dvc_lock_sha256": digest}}
+            for name in names for tokens in buckets]
+
+
+def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path, digest: str | None,
+                classifier: dict[str, dict] | None = None) -> dict:
+    """The routing table: one row per domain and context bucket, plus fp16 rows for what was not judged.
+
+    `classifier`: every declared request type's rule (params.ClassifyParams as dicts); the table carries it, so
+    the router classifies with exactly the rules the table was built for."""
     base_mem = report["fp16"].get("memory")
     rows = []
     for domain in report["domains"]:
@@ -82,4 +95,15 @@ def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path
                 "considered": considered,
                 "provenance": {**provenance(serve, variants_dir, report["variants"].get(serve)), "dvc_lock_sha256": digest},
             })
-    return {"baseline": BASELINE, "buckets": buckets, "dvc_lock_sha256": digest, "rows": rows}
+    table = {"baseline": BASELINE, "buckets": buckets, "dvc_lock_sha256": digest, "rows": rows}
+    if classifier is not None:
+        from pipelines.classify import AMBIGUOUS, UNKNOWN
+
+        rows += baseline_rows([d for d in classifier if d not in report["domains"]], buckets,
+                              "request type {name} was not evaluated (evaluate.domains leaves it out)", digest, base_mem)
+        rows += baseline_rows([UNKNOWN], buckets, "no request type's classifier rule matches: served by the baseline",
+                              digest, base_mem)
+        rows += baseline_rows([AMBIGUOUS], buckets, "two request types match at the same priority: served by the "
+                                                    "baseline", digest, base_mem)
+        table["classifier"] = classifier
+    return table

@@ -15,7 +15,7 @@ import bisect
 import json
 from pathlib import Path
 
-from pipelines.classify import classify
+from pipelines.classify import Classifier
 from pipelines.errors import QuantgateError
 
 
@@ -25,6 +25,7 @@ class Router:
     def __init__(self, table: dict):
         self.buckets: list[int] = sorted(table["buckets"])
         self.rows: dict[tuple[str, int], dict] = {(r["domain"], r["max_context_tokens"]): r for r in table["rows"]}
+        self.classifier = Classifier(table["classifier"])  # the rules the table was built with (params.yaml requests)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Router:
@@ -33,7 +34,7 @@ class Router:
             raise QuantgateError(f"{path} not found: run `dvc repro` (or `quantgate route`) first")
         try:
             return cls(json.loads(path.read_text(encoding="utf-8")))
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise QuantgateError(f"{path}: not a routing table ({type(err).__name__}: {err})") from None
 
     def lookup(self, domain: str, context_tokens: int) -> dict:
@@ -50,5 +51,6 @@ class Router:
         return row
 
     def route(self, text: str, context_tokens: int) -> dict:
-        """Classify the request with the classifier calibration coverage uses, then look its row up."""
-        return self.lookup(classify(text), context_tokens)
+        """Classify the request with the classifier calibration coverage uses, then look its row up (requests it
+        cannot decide have rows `unknown` and `ambiguous`, served by fp16)."""
+        return self.lookup(self.classifier.classify(text), context_tokens)

@@ -43,7 +43,7 @@ def untracked_data(tasks: dict, tracked: Path = Path("eval")) -> list[str]:
     """Local task data outside `tracked` (the folder dvc.yaml's baseline, evaluate and compare stages depend on):
     DVC would not see it change, so results made from it could be stale without anyone knowing."""
     root = tracked.resolve()
-    return [f"evaluate.tasks.{domain}: task {spec.name}'s {split} data {path} is outside {tracked}/, which DVC "
+    return [f"requests.{domain}.tasks: task {spec.name}'s {split} data {path} is outside {tracked}/, which DVC "
             f"does not track for it: move it under {tracked}/ (e.g. {tracked}/{domain}/{spec.name}/{Path(path).name})"
             for domain, specs in tasks.items() for spec in specs for split, path in (spec.data_files or {}).items()
             if not Path(path).resolve().is_relative_to(root)]
@@ -74,7 +74,7 @@ def task_config(domain: str, spec, include_path: str = "eval") -> dict:
     from lm_eval.tasks._index import Kind
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    where = f"evaluate.tasks.{domain}: task {spec.name!r}"
+    where = f"requests.{domain}.tasks: task {spec.name!r}"
     entry = task_manager(True, include_path).task_index.get(spec.name)
     if entry is None:
         raise QuantgateError(f"{where} is not an lm-eval task (not in the task index of the installed lm_eval; "
@@ -240,7 +240,7 @@ def doc_count(domain: str, spec, include_path: str = "eval") -> int:
             return len(task.eval_docs)
     except Exception as err:  # noqa: BLE001 - a dataset that cannot load is named, not a traceback
         source = (cfg.get("dataset_kwargs") or {}).get("data_files") or cfg.get("dataset_path")
-        raise QuantgateError(f"evaluate.tasks.{domain}: task {spec.name!r} could not load its data ({source}): "
+        raise QuantgateError(f"requests.{domain}.tasks: task {spec.name!r} could not load its data ({source}): "
                              f"{type(err).__name__}: {err}"[:2000]) from None
 
 

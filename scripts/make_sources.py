@@ -41,14 +41,15 @@ def zh_function_rows() -> list[dict]:
 
 
 def traffic_rows() -> list[dict]:
-    """Requests without their generator label: production logs carry no domain."""
+    """Requests with the generator's request type as `label` (coverage.label_field): production logs carry no
+    type, but this sample is labelled so that coverage can measure the classifier against the truth."""
     bare = [s.code for p in sorted(Path("calibration_sets/sources/code").rglob("*.py"))
             for s in bare_functions(p.read_text(encoding="utf-8"), p.name) if 3 <= s.code.count("\n") <= 12]
     commented = [(s.comment, s.code) for s in code_samples() if s.kind == "comment" and s.code.count("\n") <= 8]
     trained, _ = synthetic.split_commented_cases(0)
     zh = [synthetic.commented_function(*case)[:2] for case in trained[:ZH_FUNCTION_COUNT]]
     rows = synthetic.traffic_sample(TRAFFIC_SEED, TRAFFIC_COUNT, bare, commented, zh)
-    return [{"id": r["id"], "text": r["text"]} for r in rows]
+    return [{"id": r["id"], "text": r["text"], "label": r["kind"]} for r in rows]
 
 
 if __name__ == "__main__":

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from pipelines import calibrate
-from pipelines.classify import classify
+from pipelines.classify import AMBIGUOUS, UNKNOWN, Classifier
 from pipelines.code_comments import bare_functions, extract
 from pipelines.errors import QuantgateError
-from pipelines.params import CalibrationParams, CoverageParams, SourceParams
+from pipelines.params import CalibrationParams, CoverageParams, Params, SourceParams
 from pipelines.pii import mask
 
 SMALL = {"samples": 64}
+classify = Classifier(Params().coverage.classify).classify
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_quotas_split_exactly_and_honour_exclude():
 
 
 def test_unknown_domain_in_exclude_is_refused():
-    with pytest.raises(ValueError, match="unknown domain 'comments' in exclude"):
+    with pytest.raises(ValueError, match="unknown request type 'comments' in calibration.exclude"):
         CalibrationParams(exclude=["comments"])
 
 
@@ -137,9 +138,11 @@ def test_missing_source_and_empty_domain(tmp_path, tokenizer):
     missing = CalibrationParams(samples=4, sources=[SourceParams(domain="chat", kind="jsonl", path="nope.jsonl")])
     with pytest.raises(QuantgateError, match="nope.jsonl: file not found"):
         calibrate.build_sets(missing, tokenizer)
+    # the request types a recipe samples are those its sources give: one source, one type
     only_math = CalibrationParams(samples=4, sources=[SourceParams(domain="math", kind="math", count=10)])
-    with pytest.raises(QuantgateError, match="domain 'chat' is empty"):
-        calibrate.build_sets(only_math, tokenizer)
+    assert only_math.domains == ["math"]
+    with pytest.raises(ValueError, match="unknown request type 'chat'"):
+        CalibrationParams(samples=4, weights={"chat": 1.0}, sources=only_math.sources)
 
 
 def test_failed_build_leaves_previous_output_untouched(tmp_path, tokenizer):
@@ -237,6 +240,15 @@ def test_default_recipe_covers_shipped_traffic(tmp_path, tokenizer):
     shares = {d: v["production_share"] for d, v in report["domains"].items()}
     assert shares["code_comment"] > 0.1 and abs(sum(shares.values()) - 1) < 1e-6
     assert (tmp_path / "c" / "coverage.png").stat().st_size > 1000
+    # the shipped sample is labelled by its generator: every request counts, and the classifier names each right
+    measured = json.loads((tmp_path / "c" / "classifier.json").read_text())
+    assert measured == report["classifier"] and measured["labelled_requests"] == report["traffic_requests"] == 400
+    assert {t: (v["requests"], v["accuracy"]) for t, v in measured["types"].items()} == {
+        "chat": (180, 1.0), "code": (80, 1.0), "code_comment": (60, 1.0), "math": (80, 1.0)}
+    assert report["classifier_flagged"] == [] and report["domains"]["math"]["classifier_accuracy"] == 1.0
+    assert (tmp_path / "c" / "classifier_confusion.png").stat().st_size > 1000
+    pairs = json.loads((tmp_path / "c" / "classifier_predictions.json").read_text())
+    assert len(pairs) == 400 and {"actual": "code", "predicted": "code"} in pairs
 
 
 def test_leaving_out_code_comments_is_flagged(tmp_path, tokenizer):
@@ -246,3 +258,104 @@ def test_leaving_out_code_comments_is_flagged(tmp_path, tokenizer):
     row = report["domains"]["code_comment"]
     assert row["calibration_share"] == 0 and row["production_share"] > 0.1 and row["length_js_distance"] == 1.0
     assert not (tmp_path / "b" / "code_comment.jsonl").exists()
+
+
+# ---- the classifier, measured against the sample's labels ---------------------------------------
+
+FRUIT = {"a": {"patterns": {"x": "apple"}, "when": "x >= 1", "priority": 1},
+         "b": {"patterns": {"y": "banana"}, "when": "y >= 1", "priority": 1},
+         "c": {"patterns": {"z": "cherry"}, "when": "z >= 1", "priority": 2}}
+# (text, label): a is right 2 of 4 (one ambiguous, one unknown), b 2 of 3 (one taken for c), c 1 of 1
+LABELLED = [("apple", "a"), ("apple pie", "a"), ("apple banana", "a"), ("kiwi", "a"),
+            ("banana", "b"), ("banana split", "b"), ("cherry apple", "b"), ("cherry", "c"),
+            ("banana", None), ("kiwi", None)]
+
+
+def fruit(threshold: float, **kw) -> CoverageParams:
+    return CoverageParams(classify=FRUIT, min_classifier_accuracy=threshold, **kw)
+
+
+def test_classifier_report_counts_each_type_and_the_confusion_matrix():
+    texts, labels = zip(*LABELLED)
+    measured = calibrate.classifier_report(list(texts), list(labels), fruit(0.6))
+    assert measured["labelled_requests"] == 8 and measured["unlabelled_requests"] == 2
+    assert measured["correct"] == 5 and measured["accuracy"] == 0.625
+    assert (measured[UNKNOWN], measured[AMBIGUOUS]) == (1, 1)  # the unlabelled "kiwi" is not counted
+    assert measured["columns"] == ["a", "b", "c", UNKNOWN, AMBIGUOUS]
+    assert measured["confusion"] == {
+        "a": {"a": 2, "b": 0, "c": 0, UNKNOWN: 1, AMBIGUOUS: 1},
+        "b": {"a": 0, "b": 2, "c": 1, UNKNOWN: 0, AMBIGUOUS: 0},
+        "c": {"a": 0, "b": 0, "c": 1, UNKNOWN: 0, AMBIGUOUS: 0},
+    }
+    assert {t: (v["requests"], v["correct"], v["accuracy"]) for t, v in measured["types"].items()} == {
+        "a": (4, 2, 0.5), "b": (3, 2, 0.6667), "c": (1, 1, 1.0)}
+    assert measured["types"]["a"][UNKNOWN] == 1 and measured["types"]["a"][AMBIGUOUS] == 1
+
+
+@pytest.mark.parametrize("threshold, flagged", [(0.5, []), (0.6, ["a"]), (0.7, ["a", "b"]), (1.0, ["a", "b"])])
+def test_a_type_below_the_accuracy_threshold_is_flagged(threshold, flagged):
+    texts, labels = zip(*LABELLED)
+    measured = calibrate.classifier_report(list(texts), list(labels), fruit(threshold))
+    assert measured["flagged"] == flagged  # strictly below: a at exactly 0.5 passes a 0.5 threshold
+    assert [t for t, v in measured["types"].items() if v["below_threshold"]] == flagged
+
+
+def test_unlabelled_sample_measures_nothing_and_flags_nothing():
+    measured = calibrate.classifier_report(["apple", "kiwi"], [None, None], fruit(0.9))
+    assert measured["labelled_requests"] == 0 and measured["accuracy"] is None and measured["flagged"] == []
+    assert all(v["accuracy"] is None and not v["below_threshold"] for v in measured["types"].values())
+
+
+def test_a_label_that_is_no_declared_type_is_refused_with_file_and_line(tmp_path):
+    path = tmp_path / "traffic.jsonl"
+    path.write_text(json.dumps({"text": "apple", "label": "a"}) + "\n" + json.dumps({"text": "kiwi"}) + "\n"
+                    + json.dumps({"text": "a poem", "label": "poetry"}) + "\n")
+    with pytest.raises(QuantgateError, match=rf"{path}:3: label 'poetry' \(label\) is not a declared request type; "
+                                             r"declared: a, b, c"):
+        calibrate.load_traffic(fruit(0.8, traffic=str(path)))
+    path.write_text(json.dumps({"text": "apple", "kind": "a"}) + "\n" + json.dumps({"text": "kiwi"}) + "\n")
+    assert calibrate.load_traffic(fruit(0.8, traffic=str(path), label_field="kind")) == (["apple", "kiwi"], ["a", None])
+    with pytest.raises(QuantgateError, match="label 'poetry' is not a declared request type"):
+        calibrate.classifier_report(["a poem"], ["poetry"], fruit(0.8))
+
+
+def test_run_writes_the_classifier_report_and_flags_a_type_it_misses(tmp_path, tokenizer):
+    traffic = tmp_path / "traffic.jsonl"
+    rows = [{"text": "What is 3/4 + 1/8?", "label": "math"}, {"text": "Where is my parcel, order 44120?", "label": "math"},
+            {"text": "def area(r):\n    return 3.14159 * r * r", "label": "code"},
+            {"text": "Hi, my order arrived broken. Can I get a refund?", "label": "chat"}, {"text": "What is 12+30?"}]
+    traffic.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cov = CoverageParams(traffic=str(traffic))
+    report = calibrate.run(CalibrationParams(**SMALL), cov, tokenizer, "tiny", tmp_path / "built", tmp_path / "cov")
+    assert report["classifier_flagged"] == ["math"]  # 1 of 2 < 0.8
+    assert {d: v["classifier_accuracy"] for d, v in report["domains"].items()} == {
+        "chat": 1.0, "code": 1.0, "code_comment": None, "math": 0.5}
+    assert report["classifier"]["confusion"]["math"]["chat"] == 1
+    assert json.loads((tmp_path / "cov" / "classifier.json").read_text()) == report["classifier"]
+    assert json.loads((tmp_path / "cov" / "coverage.json").read_text())["classifier_flagged"] == ["math"]
+    assert (tmp_path / "cov" / "classifier_confusion.png").stat().st_size > 1000
+    assert len(json.loads((tmp_path / "cov" / "classifier_predictions.json").read_text())) == 4
+
+
+@pytest.mark.parametrize("on_gap", ["warn", "fail"])
+def test_on_gap_applies_to_a_flagged_classifier(monkeypatch, caplog, on_gap):
+    from pipelines import cli, models
+    from pipelines import params as params_module
+
+    texts, labels = zip(*LABELLED)
+    measured = calibrate.classifier_report(list(texts), list(labels), fruit(0.6))
+    report = {"domains": {}, "under_represented": [], "classifier_flagged": measured["flagged"],
+              "classifier": measured, "rule": "-"}
+    params = Params()
+    params = params.model_copy(update={"coverage": params.coverage.model_copy(update={"on_gap": on_gap})})
+    monkeypatch.setattr(params_module, "load_params", lambda: params)
+    monkeypatch.setattr(models, "resolve_model", lambda model: type("Source", (), {"location": "tiny"})())
+    monkeypatch.setattr(models, "load_tokenizer", lambda source: None)
+    monkeypatch.setattr(calibrate, "run", lambda *args, **kw: report)
+    expected = r"classifier recognises too few labelled requests of a \(50.0%, 2/4\)"
+    if on_gap == "fail":
+        with pytest.raises(QuantgateError, match=expected + r".*coverage.on_gap is 'fail'"):
+            cli.cmd_calibrate(None)
+    else:
+        assert cli.cmd_calibrate(None) == 0
+        assert "too few labelled requests of a (50.0%, 2/4)" in caplog.text

@@ -10,7 +10,7 @@ from pipelines import compare, evaluate, sandbox, sequential
 from pipelines.params import CompareParams, EvaluateParams
 
 P = EvaluateParams(look_items=4, max_items=8, batch_size=8, fidelity_texts=4)
-DOMAINS = list(evaluate.PROBES)
+DOMAINS = list(P.probes)
 
 
 def plans_for(domains, p=P):
@@ -82,14 +82,15 @@ def test_fp16_fidelity_against_its_own_base_is_exact(baseline):
 
 def test_fidelity_texts_cover_every_kind():
     """Round-robin over families, spread by kind first: 12 math texts are not 12 additions."""
-    texts = evaluate.fidelity_texts(["math", "code_comment"], 18)
+    probes = P.model_dump()["probes"]
+    texts = evaluate.fidelity_texts(["math", "code_comment"], 18, probes)
     items = evaluate.probe_items("math")
     kinds = {item["kind"] for item in items}
-    picked = [item for item in items if evaluate.full_text("math", item) in texts["math"]]
+    picked = [item for item in items if evaluate.full_text(probes["math"]["text"], item) in texts["math"]]
     assert len(texts["math"]) == 18 and {item["kind"] for item in picked} == kinds  # 9 kinds, additions one of them
     assert sum(item["kind"] == "add" for item in picked) <= 10
     comments = [item for item in evaluate.probe_items("code_comment")
-                if evaluate.full_text("code_comment", item) in texts["code_comment"]]
+                if evaluate.full_text(probes["code_comment"]["text"], item) in texts["code_comment"]]
     assert len({item["template"] for item in comments}) == 14  # every template before a second phrasing of any
 
 

@@ -38,10 +38,57 @@ def dvc(args, cwd):
                           capture_output=True, text=True, timeout=1800)
 
 
+SQL_RULE = {"patterns": {"statement": r"(?i)\b(select|insert|update|delete)\b[^;]*\b(from|into|set|where|as)\b"},
+            "when": "statement >= 1", "priority": 25}
+
+
+def add_sql_request_type(repo: Path, params: dict) -> None:
+    """A fifth request type, added the way a team would (docs/request-types.md): probe items and their lm-eval
+    task in eval/sql/, calibration text, labelled production requests, and its declaration in params.yaml.
+    No code changes. The probes end in an addition the reference model can answer, so the type can pass."""
+    import random
+
+    rng = random.Random(7)
+    (repo / "eval" / "sql").mkdir()
+    items = []
+    for n in range(30):
+        a, b = rng.randint(10, 49), rng.randint(10, 49)
+        items.append({"id": f"sql-{n:03d}", "prompt": f"SELECT {a}+{b} AS total; -- total: {a}+{b}=",
+                      "answer": str(a + b), "family": f"tens-{a // 10}"})
+    (repo / "eval" / "sql" / "items.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
+    task = yaml.safe_load((repo / "eval" / "code_comment" / "quantgate_code_comment.yaml").read_text())
+    task.update(task="quantgate_sql", dataset_kwargs={"data_files": {"test": "eval/sql/items.jsonl"}})
+    (repo / "eval" / "sql" / "quantgate_sql.yaml").write_text(yaml.safe_dump(task, sort_keys=False))
+    tables, columns = ["orders", "users", "invoices", "shipments", "refunds", "carts"], ["id", "total", "email", "city",
+                                                                                        "status", "created_at"]
+    texts = []
+    for n in range(60):
+        t, c1, c2 = rng.choice(tables), rng.choice(columns), rng.choice(columns)
+        texts.append(rng.choice([
+            f"SELECT {c1}, {c2} FROM {t} WHERE {c1} > {rng.randint(1, 999)} ORDER BY {c2} DESC LIMIT {rng.randint(2, 90)};",
+            f"UPDATE {t} SET {c1} = '{rng.choice(['open', 'paid', 'lost'])}{n}' WHERE {c2} = {rng.randint(1, 9999)};",
+            f"INSERT INTO {t} ({c1}, {c2}) VALUES ({rng.randint(1, 999)}, 'row {n} of {rng.randint(1, 99)}');",
+            f"DELETE FROM {t} WHERE {c1} < {rng.randint(1, 500)} AND {c2} IS NULL; -- cleanup {n}"]))
+    source = repo / "calibration_sets" / "sources" / "sql" / "queries.jsonl"
+    source.parent.mkdir(parents=True)
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    traffic = repo / "calibration_sets" / "traffic" / "production_sample.jsonl"
+    extra = [{"id": f"req-sql-{n:02d}", "text": f"why is this slow?\n{t}", "label": "sql"} for n, t in enumerate(texts[:20])]
+    traffic.write_text(traffic.read_text() + "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in extra))
+    params["requests"]["sql"] = {
+        "classify": SQL_RULE,
+        "calibration": [{"kind": "jsonl", "path": "calibration_sets/sources/sql/queries.jsonl", "text_field": "text"}],
+        "probes": {"task": "quantgate_sql", "metric": "exact_match", "fields": ["id", "prompt", "answer"],
+                   "text": "{{prompt}}{{answer}}"},
+        "policy": {"max_accuracy_drop": 0.3}}
+    params["calibration"]["weights"]["sql"] = 0.5  # a small share of traffic; chat (43 %) keeps enough samples
+
+
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory):
     repo = repo_copy(tmp_path_factory.mktemp("repo"))
     params = yaml.safe_load((repo / "params.yaml").read_text())
+    add_sql_request_type(repo, params)
     # the shipped reference model (copied, not trained): a model that answers the probes, so the verdicts
     # judge something (a model that scores 0 everywhere cannot pass) and the loop runs to promotion
     params["calibration"].update(samples=64, max_tokens=96)
@@ -78,11 +125,16 @@ def test_calibrate_stage_outputs(pipeline_run):
     repo, first, _ = pipeline_run
     manifest = json.loads((repo / "calibration_sets" / "built" / "manifest.json").read_text())
     assert {d: v["count"] for d, v in manifest["domains"].items()} == {
-        "chat": 16, "code": 16, "code_comment": 16, "math": 16}
+        "chat": 15, "code": 14, "code_comment": 14, "math": 14, "sql": 7}
     mixed = (repo / "calibration_sets" / "built" / "mixed.jsonl").read_text().splitlines()
     assert len(mixed) == 64
     coverage = json.loads((repo / "results" / "calibration" / "coverage.json").read_text())
     assert coverage["covered"] and coverage["calibration_sha256"] == manifest["mixed_sha256"]
+    # the fifth request type, added by configuration only: the classifier finds its 20 production requests
+    assert coverage["domains"]["sql"]["production_requests"] == 20
+    assert coverage["domains"]["sql"]["calibration_samples"] == 7
+    assert coverage["classifier"]["types"]["sql"] == {"requests": 20, "correct": 20, "accuracy": 1.0,
+                                                      "below_threshold": False, "unknown": 0, "ambiguous": 0}
     assert "calibrate: code_comment production" in first.stderr + first.stdout
 
 
@@ -121,9 +173,11 @@ def test_evaluate_stage_per_variant(pipeline_run):
         assert result["status"] == "ok", result.get("error")
         counts = {d: r["items"] for d, r in result["probes"].items()}
         if variant == "fp16":  # the baseline answers every look: 40 items, in looks of 20, 30 and 40
-            assert counts == {"math": 40, "code": 40 if sandbox.isolation_available() else 0, "chat": 40, "code_comment": 40}
+            assert counts == {"math": 40, "code": 40 if sandbox.isolation_available() else 0, "chat": 40,
+                              "code_comment": 40, "sql": 30}
         else:  # a variant stops at the look that decided: 20, 30 or 40
-            assert all(n in (20, 30, 40) for d, n in counts.items() if d != "code" or sandbox.isolation_available())
+            assert all(n in ((20, 25, 30) if d == "sql" else (20, 30, 40)) for d, n in counts.items()
+                       if d != "code" or sandbox.isolation_available())
         items = [json.loads(line) for line in (repo / "results" / "eval" / variant / "items.jsonl").read_text().splitlines()]
         ids[variant] = {(i["task"], i["item_id"]): i["prompt_hash"] for i in items}
     for variant in ("int8", "awq4", "gptq3"):  # pairable by id, same prompts
@@ -140,7 +194,9 @@ def test_compare_and_route_stages(pipeline_run):
     repo, first, _ = pipeline_run
     report = json.loads((repo / "results" / "compare.json").read_text())
     pools = {d: len((repo / "eval" / d / "items.jsonl").read_text().splitlines()) for d in report["domains"]}
-    assert report["plans"] == {d: {"pool": pools[d], "looks": [20, 30, 40]} for d in ("math", "code", "chat", "code_comment")}
+    assert report["plans"] == {**{d: {"pool": pools[d], "looks": [20, 30, 40]} for d in ("math", "code", "chat", "code_comment")},
+                               "sql": {"pool": 30, "looks": [20, 25, 30]}}
+    assert report["domains"] == ["math", "code", "chat", "code_comment", "sql"]  # declaration order
     assert set(report["variants"]) == {"int8", "awq4", "gptq3", "vendor-gptq"}
     for name, v in report["variants"].items():
         assert v["verdict"] in ("pass", "inconclusive", "fail")
@@ -151,8 +207,11 @@ def test_compare_and_route_stages(pipeline_run):
     assert rejected["kind"] == "candidate" and rejected["verdict"] == "fail"
     assert rejected["domains"]["math"]["reasons"][0].startswith("quantize/admit failed")
     table = json.loads((repo / "results" / "routing_table.json").read_text())
-    assert len(table["rows"]) == 4 * 3  # domains x default context buckets
-    for row in table["rows"]:  # fp16 is never worse than what is routed
+    assert len(table["rows"]) == (5 + 2) * 3  # (request types + unknown + ambiguous) x default context buckets
+    assert set(table["classifier"]) == {"math", "code", "chat", "code_comment", "sql"}
+    undecided = [r for r in table["rows"] if r["domain"] in ("unknown", "ambiguous")]
+    assert len(undecided) == 6 and all(r["serve"] == "fp16" and "served by the baseline" in r["reason"] for r in undecided)
+    for row in [r for r in table["rows"] if r not in undecided]:  # fp16 is never worse than what is routed
         assert row["cost_bytes"]["serve"] <= row["cost_bytes"]["fp16"]
         assert row["serve"] == "fp16" or report["variants"][row["serve"]]["domains"][row["domain"]]["verdict"] == "pass"
     assert table["dvc_lock_sha256"] == lineage.lock_digest(repo / "dvc.lock")  # DVC wrote the upstream stages first
@@ -164,6 +223,12 @@ def test_compare_and_route_stages(pipeline_run):
     assert looked_up.returncode == 0, looked_up.stderr
     math_row = next(r for r in table["rows"] if r["domain"] == "math" and r["max_context_tokens"] == 64)
     assert looked_up.stdout == math_row["serve"] + "\n"
+    sql_text = "SELECT email FROM users WHERE id = 42;"
+    looked_up = subprocess.run(["quantgate", "route", "lookup", sql_text, "--context-tokens", "50"], cwd=repo,
+                               env=env, capture_output=True, text=True)
+    sql_row = next(r for r in table["rows"] if r["domain"] == "sql" and r["max_context_tokens"] == 64)
+    assert looked_up.returncode == 0 and looked_up.stdout == sql_row["serve"] + "\n", looked_up.stderr
+    assert "sql request" in looked_up.stderr + looked_up.stdout
     # every request of the shipped production sample is served by what the table says for its domain:
     # the cheapest variant that passed it (and saves enough), fp16 where none did
     from pipelines.router import Router
@@ -172,6 +237,11 @@ def test_compare_and_route_stages(pipeline_run):
     footprint = {n: (v.get("memory") or {}).get("footprint_bytes") for n, v in report["variants"].items()}
     for line in (repo / "calibration_sets" / "traffic" / "production_sample.jsonl").read_text().splitlines():
         row = router.route(json.loads(line)["text"], 40)
+        assert row["domain"] == json.loads(line)["label"] or row["domain"] in ("unknown", "ambiguous") \
+            or json.loads(line)["label"] != "sql"  # the 20 sql requests are recognised
+        if row["domain"] in ("unknown", "ambiguous"):
+            assert row["serve"] == "fp16"
+            continue
         passing = [n for n, v in report["variants"].items() if v["domains"][row["domain"]]["verdict"] == "pass"]
         assert row["serve"] in passing + ["fp16"]
         if row["serve"] == "fp16":
@@ -192,6 +262,10 @@ def test_record_stage_and_gate(pipeline_run):
     runs = client.search_runs([run["experiment_id"]])
     children = {r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == run["parent_run_id"]}
     assert children == {"fp16", "int8", "awq4", "gptq3", "vendor-gptq"} and len(runs) == 6
+    int8 = next(r for r in runs if r.info.run_name == "int8")
+    assert "sql/accuracy" in int8.data.metrics, sorted(int8.data.metrics)  # the fifth request type too
+    parent = client.get_run(run["parent_run_id"])
+    assert parent.data.metrics["classifier_accuracy.sql"] == 1.0
     assert (repo / "mlartifacts").is_dir() and not (repo / "mlruns").exists()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("MLFLOW_TRACKING_URI", None)

@@ -235,6 +235,27 @@ def test_recording_the_same_lock_twice_writes_nothing(recorded):
     assert len(list((root / "artifacts").rglob("model.safetensors"))) == 1  # the checkpoint was uploaded once
 
 
+def test_the_classifiers_accuracy_is_logged_on_the_parent_run(tmp_path):
+    built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "int8": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
+    measured = {"accuracy": 0.625, "types": {"math": {"accuracy": 0.5}, "code": {"accuracy": 0.75},
+                                             "chat": {"accuracy": None}}}
+    write_json(tmp_path / "results/calibration/classifier.json", measured)
+    (tmp_path / "results/calibration/classifier_confusion.png").write_bytes(b"\x89PNG not really")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
+                                     artifact_root=tmp_path / "artifacts")
+    client = MlflowClient(uri)
+    metrics = client.get_run(summary["parent_run_id"]).data.metrics
+    assert {k: v for k, v in metrics.items() if k.startswith("classifier")} == {
+        "classifier_accuracy": 0.625, "classifier_accuracy.math": 0.5, "classifier_accuracy.code": 0.75}
+    artifacts = {a.path for a in client.list_artifacts(summary["parent_run_id"], "results")}
+    assert "results/classifier.json" in artifacts
+    plots = {a.path for a in client.list_artifacts(summary["parent_run_id"], "plots")}
+    assert "plots/classifier_confusion.png" in plots
+
+
 def test_a_recording_in_the_old_format_is_recorded_again(recorded):
     """A store recorded before checkpoints were stored (its versions name a workspace folder) is replaced, but
     never its production version."""

@@ -10,16 +10,19 @@ import yaml
 from pipelines import cli, compare, lineage, route
 from pipelines.router import Router
 from pipelines.errors import QuantgateError
-from pipelines.params import CompareParams, PolicyParams
+from pipelines.params import CompareParams, CoverageParams, PolicyParams
 from tests.handmade import FOOTPRINT, correctness, memory_row, plans, write_eval_items, write_memory, write_model
 
 N = 400
 BUCKETS = [64, 256]
 
 
-def build(root, variants, params=CompareParams(), digest="d" * 64):
+SHIPPED_RULES = {name: rule.model_dump() for name, rule in CoverageParams().classify.items()}
+
+
+def build(root, variants, params=CompareParams(), digest="d" * 64, classifier=SHIPPED_RULES):
     report = compare.compare_all(["fp16", *variants], [], plans(root), params, root / "results", root / "models/variants")
-    return route.build_table(report, BUCKETS, params.policy_for, root / "models/variants", digest)
+    return route.build_table(report, BUCKETS, params.policy_for, root / "models/variants", digest, classifier)
 
 
 @pytest.fixture()
@@ -40,7 +43,8 @@ def row(table, domain, tokens):
 
 def test_cheapest_passing_variant_serves_each_domain(results):
     table = build(results, ["int8", "awq4", "gptq3"])
-    assert len(table["rows"]) == 4
+    assert len([r for r in table["rows"] if r["domain"] in ("math", "code")]) == 4  # judged: 2 domains x 2 buckets
+    assert len(table["rows"]) == 12  # and fp16 rows for chat, code_comment (not evaluated), unknown and ambiguous
     assert row(table, "code", 64)["serve"] == "awq4"
     assert row(table, "math", 64)["serve"] == "int8"
     math_row = row(table, "math", 256)
@@ -85,8 +89,26 @@ def test_lookup_picks_the_smallest_bucket_that_holds_the_request(results):
     assert Router(table).lookup("code", 65)["max_context_tokens"] == 256
     with pytest.raises(QuantgateError, match="257 tokens exceed the largest context bucket \\(256\\)"):
         Router(table).lookup("code", 257)
-    with pytest.raises(QuantgateError, match="no row for domain 'chat'"):
-        Router(table).lookup("chat", 10)
+    chat = Router(table).lookup("chat", 10)  # declared, not evaluated here (the handmade results hold math and code)
+    assert chat["serve"] == "fp16" and chat["reason"].startswith("request type chat was not evaluated")
+    with pytest.raises(QuantgateError, match="no row for domain 'sql'"):
+        Router(table).lookup("sql", 10)
+
+
+def test_requests_the_classifier_cannot_decide_are_served_by_fp16(results):
+    """No rule holds: unknown; two hold at the same priority: ambiguous. Both are fp16's, and the table says so."""
+    rules = {"math": {"patterns": {"digit": r"\d"}, "when": "digit >= 2", "priority": 1},
+             "code": {"patterns": {"paren": r"\("}, "when": "paren >= 1", "priority": 1}}
+    table = build(results, ["int8", "awq4"], classifier=rules)
+    router = Router(json.loads(json.dumps(table)))  # as the router reads it from the file
+    assert router.route("What is 12 + 30?", 40)["serve"] != "fp16"  # math passed for a cheaper variant
+    unknown = router.route("hello there", 40)
+    assert (unknown["domain"], unknown["serve"]) == ("unknown", "fp16")
+    assert unknown["reason"] == "no request type's classifier rule matches: served by the baseline"
+    ambiguous = router.route("f(12) + 30", 40)
+    assert (ambiguous["domain"], ambiguous["serve"]) == ("ambiguous", "fp16")
+    assert "same priority" in ambiguous["reason"]
+    assert {r["domain"] for r in table["rows"]} == {"math", "code", "unknown", "ambiguous"}
 
 
 def test_route_lookup_command_classifies_the_text(results, monkeypatch, capsys):
@@ -130,5 +152,6 @@ def test_without_a_baseline_every_row_stays_on_fp16(tmp_path):
     write_eval_items(tmp_path, {"math": N, "code": N})
     write_memory(tmp_path, {"int8": memory_row("int8")})
     table = build(tmp_path, ["int8"])
-    assert {(r["serve"], r["fallback_under_memory_pressure"], r["reason"]) for r in table["rows"]} == {
+    assert {(r["serve"], r["fallback_under_memory_pressure"], r["reason"]) for r in table["rows"]
+            if r["domain"] in ("math", "code")} == {
         ("fp16", "fp16", "no variant passed")}

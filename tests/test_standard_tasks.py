@@ -258,7 +258,7 @@ def read_json_lines(path):
 
 
 def test_unknown_task_missing_file_and_code_tasks_are_named(tmp_path, gsm8k_files):
-    with pytest.raises(QuantgateError, match=r"evaluate\.tasks\.math: task 'gsm9k' is not an lm-eval task"):
+    with pytest.raises(QuantgateError, match=r"requests\.math\.tasks: task 'gsm9k' is not an lm-eval task"):
         compare.probe_plans(["math"], EvaluateParams.model_validate({"tasks": {"math": ["gsm9k"]}}))
     missing = tmp_path / "nowhere" / "test.jsonl"
     with pytest.raises(QuantgateError, match=rf"task 'gsm8k': data file {missing} \(split 'test'\) does not exist"):
@@ -435,7 +435,17 @@ def test_a_changed_code_task_definition_is_refused():
     raw = load_yaml(entry.yaml_path, resolve_func=False)
     raw["metric_list"][0]["k"] = [1, 10]
     with pytest.raises(QuantgateError, match=r"differs from the definition quantgate scores in its sandbox"):
-        standard_tasks._sandboxed("evaluate.tasks.code: task 'humaneval'", "humaneval", raw, Path(entry.yaml_path))
+        standard_tasks._sandboxed("requests.code.tasks: task 'humaneval'", "humaneval", raw, Path(entry.yaml_path))
+
+
+def params_with_tasks(tasks: dict, **evaluate):
+    """The default params with standard tasks declared where params.yaml declares them: requests.<name>.tasks."""
+    from pipelines.params import Params
+
+    requests = {name: r.model_dump(exclude_none=True) for name, r in Params().requests.items()}
+    for name, specs in tasks.items():
+        requests[name]["tasks"] = specs
+    return Params(requests=requests, evaluate=evaluate)
 
 
 def test_the_gate_will_not_decide_on_task_data_dvc_does_not_track(tmp_path):
@@ -445,12 +455,12 @@ def test_the_gate_will_not_decide_on_task_data_dvc_does_not_track(tmp_path):
 
     outside = tmp_path / "gsm8k_test.jsonl"
     outside.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
-    params = Params(evaluate={"tasks": {"math": [{"name": "gsm8k", "data_files": {"test": str(outside)}}]}})
+    params = params_with_tasks({"math": [{"name": "gsm8k", "data_files": {"test": str(outside)}}]})
     result = decide({}, {}, params, [], "digest")
     assert result["verdict"] == "undecided"
-    assert result["reasons"] == [f"evaluate.tasks.math: task gsm8k's test data {outside} is outside eval/, which DVC "
+    assert result["reasons"] == [f"requests.math.tasks: task gsm8k's test data {outside} is outside eval/, which DVC "
                                  "does not track for it: move it under eval/ (e.g. eval/math/gsm8k/gsm8k_test.jsonl)"]
-    inside = Params(evaluate={"tasks": {"math": [{"name": "gsm8k", "data_files": {"test": "eval/math/gsm8k/test.jsonl"}}]}})
+    inside = params_with_tasks({"math": [{"name": "gsm8k", "data_files": {"test": "eval/math/gsm8k/test.jsonl"}}]})
     assert decide({}, {}, inside, [], "digest")["reasons"] != result["reasons"]  # it goes on to the next check
 
 
@@ -465,7 +475,7 @@ def test_promotion_refuses_a_regression_on_a_standard_task_alone():
 
     production = probes("prod") + _task_records("prod", [True] * 300 + [False] * 100)
     candidate = probes("cand") + _task_records("cand", [True] * 240 + [False] * 160)
-    params = Params(evaluate={"domains": ["math"], "tasks": {"math": ["gsm8k"]}})
+    params = params_with_tasks({"math": ["gsm8k"]}, domains=["math"])
     reasons = regression_against(candidate, production, params)
     assert len(reasons) == 1 and reasons[0].startswith("math:gsm8k: accuracy 0.600 vs production 0.750 on 400")
     # without the task configured the same items pass: the regression is the task row's alone
@@ -486,9 +496,9 @@ def test_local_data_is_read_by_the_builder_its_suffix_names(tmp_path, gsm8k_file
     assert cfg["dataset_kwargs"]["data_files"]["test"] == str((tmp_path / "test.parquet").resolve())
     assert standard_tasks.doc_count("math", spec) == len(PROBLEMS)  # lm-eval really reads the parquet
     with pytest.raises(QuantgateError, match=r"test.txt \(split 'test'\): only .csv, .json, .jsonl, .parquet"):
-        standard_tasks.data_loader({"test": "eval/math/test.txt"}, "evaluate.tasks.math: task gsm8k")
+        standard_tasks.data_loader({"test": "eval/math/test.txt"}, "requests.math.tasks: task gsm8k")
     with pytest.raises(QuantgateError, match="mixes formats"):
-        standard_tasks.data_loader({"test": "a.parquet", "train": "b.jsonl"}, "evaluate.tasks.math: task gsm8k")
+        standard_tasks.data_loader({"test": "a.parquet", "train": "b.jsonl"}, "requests.math.tasks: task gsm8k")
 
 
 def test_a_graded_metric_is_refused_not_read_as_right_or_wrong(gsm8k_files):
