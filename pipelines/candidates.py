@@ -5,8 +5,10 @@ mis-load, so nothing here loads the model through a framework. Validation runs i
 
 1. Cheap checks that read no weight bytes: the file policy (names and types; no code, no pickle, no
    symlinks, no PEFT adapter), every JSON file (no auto_map / trust_remote_code), every quantization
-   config a loader may read (they must agree), the whole config against the base model's (only
-   DRIFT_ALLOWED keys may differ) and the tokenizer's length, every safetensors header (the
+   config a loader may read (they must agree, missing settings counting as their reader's default,
+   and hold only allow-listed keys), the whole config against the base model's (only DRIFT_ALLOWED
+   keys may differ), the tokenizer's length, the tokenizer's behaviour and generation_config.json
+   against the base model's, every safetensors header (the
    safetensors library's own validation), the index against the shards, and the tensor names,
    dtypes and shapes against the base model and what the quantization config implies. The small
    files (JSON, tokenizer, text) are read whole here and their sha256 kept.
