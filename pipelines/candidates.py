@@ -596,6 +596,9 @@ def base_tokenizer_behaviour(base_dir: str) -> dict:
 def tokenizer_matches_base(folder: Path, files: dict[str, str], base_dir: str) -> list[str]:
     """Evaluation tokenizes with the candidate's own tokenizer: it must behave exactly like the base model's."""
     where = tokenizer_files(files)
+    if where == "the tokenizer files":
+        return ["no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...): evaluation and serving "
+                "tokenize with the checkpoint's own tokenizer; ship the base model's beside the weights"]
     try:
         mine = tokenizer_behaviour(load_tokenizer(folder))
     except Exception as err:  # noqa: BLE001 - whatever the files do, the candidate is refused

@@ -406,6 +406,15 @@ def test_only_vocab_json_and_vocab_txt_are_accepted(tmp_path, direct_checkpoints
     assert candidates.classify("vocab.json") == ("json", None)
 
 
+def test_a_checkpoint_without_a_tokenizer_fails_saying_so(tmp_path, direct_checkpoints, tiny_model):
+    bad = broken_copy(direct_checkpoints["awq"], tmp_path / "c")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (bad / name).unlink(missing_ok=True)
+    assert reasons_of(bad, tiny_model) == [
+        "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...): evaluation and serving tokenize with "
+        "the checkpoint's own tokenizer; ship the base model's beside the weights"]
+
+
 def test_tokenizer_longer_than_vocab_fails(tmp_path, direct_checkpoints, tiny_model):
     bad = broken_copy(direct_checkpoints["awq"], tmp_path / "c")
     edit_config(bad, lambda t: t["added_tokens"].append(
