@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/admission_cost.py [--mb 2000] [--shards 4] [--repeats 3] [--dir DIR]
 
 Builds (or reuses, in --dir) an fp16 safetensors checkpoint of random tensors shaped like a small Llama,
-sharded with an index, about --mb megabytes, plus the base model's config.json. Then, each --repeats
+sharded with an index, about --mb megabytes, plus the base model's config.json; both get the shipped reference
+model's tokenizer, which admission loads and compares with the base's. Then, each --repeats
 times, alternating: reads every file once into a reused buffer, validates the folder
 (`candidates.validate`: every check, hash and NaN/inf scan, no copy) and admits it (`candidates.admit`:
 the same plus the copy). Each is timed warm (the files in the page cache: the fastest a reader
@@ -52,6 +53,7 @@ def build(root: Path, mb: int, shards: int) -> tuple[Path, Path]:
     base, cand = root / "base", root / "candidate"
     config = llama_config(mb)
     if (cand / "config.json").is_file() and json.loads((cand / "config.json").read_text()) == config:
+        add_tokenizer(base, cand)
         return cand, base
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -76,7 +78,16 @@ def build(root: Path, mb: int, shards: int) -> tuple[Path, Path]:
         weight_map.update({n: file for n in part})
     total = sum((cand / f).stat().st_size for f in set(weight_map.values()))
     (cand / candidates.INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    add_tokenizer(base, cand)
     return cand, base
+
+
+def add_tokenizer(*folders: Path) -> None:
+    """The shipped reference model's tokenizer (a real tokenizer.json), which admission compares with the base's."""
+    shipped = Path(__file__).resolve().parents[1] / "reference_model"
+    for folder in folders:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(shipped / name, folder / name)
 
 
 def read_once(folder: Path) -> int:

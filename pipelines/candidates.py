@@ -5,8 +5,10 @@ mis-load, so nothing here loads the model through a framework. Validation runs i
 
 1. Cheap checks that read no weight bytes: the file policy (names and types; no code, no pickle, no
    symlinks, no PEFT adapter), every JSON file (no auto_map / trust_remote_code), every quantization
-   config a loader may read (they must agree), the whole config against the base model's (only
-   DRIFT_ALLOWED keys may differ) and the tokenizer's length, every safetensors header (the
+   config a loader may read (they must agree, missing settings counting as their reader's default,
+   and hold only allow-listed keys), the whole config against the base model's (only DRIFT_ALLOWED
+   keys may differ), the tokenizer's length, the tokenizer's behaviour and generation_config.json
+   against the base model's, every safetensors header (the
    safetensors library's own validation), the index against the shards, and the tensor names,
    dtypes and shapes against the base model and what the quantization config implies. The small
    files (JSON, tokenizer, text) are read whole here and their sha256 kept.
@@ -57,7 +59,10 @@ IGNORED_DIRS = {".cache": "download tool state (huggingface_hub --local-dir)",
                 "original": "the publisher's original-format weights, not what transformers loads"}
 # transformers writes extra chat templates as additional_chat_templates/<name>.jinja beside the tokenizer
 TEMPLATE_DIRS = {"additional_chat_templates": {".jinja"}}
-TOKENIZER_NAMES = {"tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "merges.txt"}
+# vocab.json / vocab.txt: the only vocab.* names transformers' tokenizers read (VOCAB_FILES_NAMES); any other
+# vocab.<suffix> is an unexpected file, not a wildcard
+TOKENIZER_NAMES = {"tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "merges.txt", "vocab.json",
+                   "vocab.txt"}
 TOKENIZER_SUFFIXES = {".tiktoken", ".spm", ".jinja"}
 TEXT_PREFIXES = ("LICENSE", "LICENCE", "README", "NOTICE", "COPYING", "USE_POLICY")
 TEXT_SUFFIXES = {".md", ".txt", ".csv"}  # inert text: READMEs, GPTQModel's quant_log.csv
@@ -114,7 +119,7 @@ def classify(rel: str) -> tuple[str | None, str | None]:
         return "weights", None
     if suffix == ".json":
         return "json", None
-    if name in TOKENIZER_NAMES or suffix in TOKENIZER_SUFFIXES or name.startswith("vocab."):
+    if name in TOKENIZER_NAMES or suffix in TOKENIZER_SUFFIXES:
         return "tokenizer", None
     if name.startswith(TEXT_PREFIXES) or name == ".gitattributes" or suffix in TEXT_SUFFIXES:
         return "text", None
@@ -245,19 +250,93 @@ def quant_sources(config: dict, docs: dict) -> tuple[dict[str, dict], list[str]]
     return found, reasons
 
 
+# What each reader assumes for a setting its file leaves out: GPTQModel for quantize_config.json/quant_config.json
+# (gptqmodel/quantization/config.py BaseQuantizeConfig: bits 4, group_size 128, desc_act None -> False, sym True,
+# method and format gptq), transformers' GPTQConfig for config.json (the same, but no method: it must be stated).
+# A file that leaves out a setting another file states is compared with its reader's default, not skipped.
+GPTQ_DEFAULTS = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
+                 "checkpoint_format": "gptq"}
+
+# The quantization-config keys the real writers put there, per method: GPTQModel's QuantizeConfig.to_dict,
+# transformers' GPTQConfig/AwqConfig/BitsAndBytesConfig.to_dict, AutoGPTQ's and autoawq's side files, and
+# compressed-tensors' ModelCompressor.update_config. Any other key is refused (a loader may act on it unchecked).
+_GPTQ_TRANSFORMERS = {"act_group_aware", "backend", "batch_size", "bits", "block_name_to_quantize",
+                      "cache_block_outputs", "checkpoint_format", "damp_percent", "dataset", "desc_act", "format",
+                      "group_size", "max_input_length", "meta", "model_seqlen", "module_name_preceding_first_block",
+                      "modules_in_block_to_quantize", "pad_token_id", "quant_method", "sym", "tokenizer",
+                      "true_sequential", "use_exllama", "exllama_config", "use_cuda_fp16"}
+QC_KEYS = {
+    "gptq": _GPTQ_TRANSFORMERS | {"method", "lm_head", "pack_dtype", "adapter", "dynamic",  # GPTQModel
+                                  "static_groups", "model_name_or_path", "model_file_base_name"},  # AutoGPTQ
+    "awq": _GPTQ_TRANSFORMERS | {"zero_point", "version", "modules_to_not_convert",  # transformers' AwqConfig
+                                 "w_bit", "q_group_size", "do_fuse", "fuse_max_seq_len", "modules_to_fuse"},  # autoawq
+    "bitsandbytes": {"_load_in_4bit", "_load_in_8bit", "bnb_4bit_compute_dtype", "bnb_4bit_quant_storage",
+                     "bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "llm_int8_enable_fp32_cpu_offload",
+                     "llm_int8_has_fp16_weight", "llm_int8_skip_modules", "llm_int8_threshold", "load_in_4bit",
+                     "load_in_8bit", "quant_method"},
+    "compressed-tensors": {"config_groups", "format", "global_compression_ratio", "ignore", "kv_cache_scheme",
+                           "moe_sparsity_config", "quant_method", "quantization_status", "sparsity_config",
+                           "transform_config", "version", "provider"},
+}
+# Allowed keys that must be empty (null, {}, []): each changes what is loaded in a way the checks do not follow.
+QC_EMPTY_ONLY = {
+    "adapter": "GPTQModel would load LoRA weights from that path or hub repo, bytes outside the checked folder "
+               "(never hashed, checked or registered)",
+    "dynamic": "GPTQModel would change bits/group size per module or skip modules, while the checks assume one "
+               "setting for every layer",
+    "modules_in_block_to_quantize": "it changes which layers the loader quantizes; the checks assume every layer",
+    "modules_to_not_convert": "the loader would treat the named layers as unquantized, which is not checked "
+                              "against the tensors",
+    "llm_int8_skip_modules": "the loader would treat the named layers as unquantized, which is not checked "
+                             "against the tensors",
+    "moe_sparsity_config": "sparsity is not admitted",
+}
+
+
+def stated_method(source: str, qc: dict):
+    """The method a file states, or the one its reader assumes (GPTQModel: gptq); None when none applies."""
+    method = qc.get("quant_method", qc.get("method"))
+    if method is None and source != "config.json":
+        return "gptq"  # an AutoGPTQ quantize_config.json states no method: it is GPTQ's file
+    return method
+
+
+def unknown_keys(source: str, qc: dict, method) -> list[str]:
+    """Keys the method's writers never put there, and keys that must be empty but are not."""
+    allowed = QC_KEYS.get(method)
+    if allowed is None:
+        return []  # an unknown method is refused by name elsewhere
+    reasons = []
+    for key in sorted(qc):
+        if key not in allowed:
+            reasons.append(f"{source_name(source)}: key {key!r} is not one the {method} writers use; refused "
+                           f"(a loader may act on it unchecked)")
+        elif key in QC_EMPTY_ONLY and qc[key] not in (None, {}, []):
+            reasons.append(f"{source_name(source)}: {key} {qc[key]!r} refused: {QC_EMPTY_ONLY[key]}")
+    return reasons
+
+
 def agreed_settings(sources: dict[str, dict]) -> list[str]:
-    """Every file must say the same thing (a loader that reads another file must not load something else)."""
+    """Every file must say the same thing (a loader that reads another file must not load something else).
+
+    A GPTQ file that leaves a setting out is compared with the default its reader fills in (GPTQ_DEFAULTS).
+    """
     reasons, seen = [], {}  # key -> (value, source, spelling)
     for source, qc in sources.items():
+        gptq = stated_method(source, qc) == "gptq"
         for key, spellings in QUANT_KEYS.items():
             values = {spelling: qc[spelling] for spelling in spellings if spelling in qc}
             if len(set(map(json.dumps, values.values()))) > 1:
                 a, b = list(values)[:2]
                 reasons.append(f"{source_name(source)}: {a} {values[a]!r} but {b} {values[b]!r}")
                 continue
-            if not values:
+            if values:
+                spelling, value = next(iter(values.items()))
+            elif gptq and key in GPTQ_DEFAULTS and not (key == "quant_method" and source == "config.json"):
+                reader = "transformers'" if source == "config.json" else "GPTQModel's"
+                spelling, value = f"{key} (not set there, so {reader} default)", GPTQ_DEFAULTS[key]
+            else:
                 continue
-            spelling, value = next(iter(values.items()))
             if key in seen and json.dumps(seen[key][0]) != json.dumps(value):
                 first, where, other = seen[key]
                 reasons.append(f"{source_name(source)}: {spelling} {value!r}, but {source_name(where)} says "
@@ -270,8 +349,10 @@ def quant_settings(config: dict, docs: dict) -> tuple[dict, list[str]]:
     """(method, bits, group size, format) from the quantization config the loader reads, or reasons.
 
     Every file that holds one (quantize_config.json, quant_config.json, config.json's
-    quantization_config) must agree on QUANT_KEYS; GPTQ is validated with the file GPTQModel reads
-    first, the other methods with config.json's, the only one transformers reads.
+    quantization_config) must agree on QUANT_KEYS (a missing setting counts as its reader's default)
+    and hold only the keys its method's writers use (QC_KEYS); config.json must hold one, since
+    transformers reads only that; GPTQ is validated with the file GPTQModel reads first, the other
+    methods with config.json's.
     """
     sources, reasons = quant_sources(config, docs)
     if reasons:
@@ -283,11 +364,17 @@ def quant_settings(config: dict, docs: dict) -> tuple[dict, list[str]]:
         return {}, reasons
     first = next(iter(sources))
     qc = sources[first]
-    method = qc.get("quant_method", qc.get("method"))
+    method = stated_method(first, qc)
+    for source, one in sources.items():
+        reasons += unknown_keys(source, one, stated_method(source, one) or method)
+    if reasons:
+        return {}, reasons
+    if "config.json" not in sources:
+        return {}, [f"{first}: quant_method {method!r}, but config.json has no quantization_config "
+                    "(transformers would load the packed tensors as an unquantized model)"]
+    if stated_method("config.json", sources["config.json"]) is None:
+        return {}, ["config.json quantization_config: no quant_method (transformers cannot tell how to load it)"]
     if method != "gptq":
-        if "config.json" not in sources:
-            return {}, [f"{first}: quant_method {method!r}, but config.json has no quantization_config "
-                        "(transformers would load the packed tensors as an unquantized model)"]
         first, qc = "config.json", sources["config.json"]
     where = f"{source_name(first)}"
     if method == "compressed-tensors":
@@ -448,6 +535,144 @@ def tokenizer_fits(config: dict, docs: dict) -> list[str]:
         reasons.append(f"{size[1]}: token ids reach {size[0] - 1}, past config.json vocab_size {vocab} "
                        "(those tokens have no embedding row)")
     return reasons
+
+
+# ---- tokenizer and generation config against the base ---------------------------------------------
+# Probe strings whose ids must equal the base tokenizer's: English, Chinese, code, math, whitespace, specials.
+TOKENIZER_PROBES = ("The quick brown fox jumps over the lazy dog.", "量化模型的验证流程：检查每一个文件。",
+                    "def f(x):\n    return x ** 2  # square\n", "∫₀¹ x² dx = 1/3, 12+30=42, e^{iπ} + 1 = 0",
+                    "  Mixed 中文 and English\t\ttabs\n\nnew lines  ", "<s> </s> <pad> <unk>")
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+TOKENIZER_SIDE = ("padding_side", "truncation_side")
+# GPTQModel sets do_sample: true in every generation_config.json it saves (gptqmodel/utils/hf.py,
+# _sanitize_generation_config); with every sampling parameter equal to the base's, that alone is tolerated
+# (evaluation passes do_sample=False). Without a base generation_config.json, the candidate's may hold only
+# the token ids (equal to config.json's), GPTQModel's do_sample and values equal to transformers' defaults.
+GENERATION_IGNORED = {"transformers_version"}
+
+
+def tokenizer_files(files: dict[str, str]) -> str:
+    names = [rel for rel in files if rel in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                             "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt")
+             or rel in TOKENIZER_NAMES]
+    return ", ".join(names) or "the tokenizer files"
+
+
+def load_tokenizer(folder: str | Path):
+    from transformers import AutoTokenizer
+
+    from pipelines import logs
+
+    with logs.library_output("admit"):
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+
+
+def tokenizer_behaviour(tok) -> dict:
+    """What evaluation depends on: vocabulary, special tokens and ids, chat template, probe ids and their decoding."""
+    special = {name: (str(getattr(tok, name, None)) if getattr(tok, name, None) is not None else None,
+                      getattr(tok, f"{name}_id", None)) for name in SPECIAL_TOKENS}
+    extra = getattr(tok, "additional_special_tokens", None) or []
+    probes = {text: tok(text, add_special_tokens=True)["input_ids"] for text in TOKENIZER_PROBES}
+    return {"vocab": tok.get_vocab(), "special": special, "additional_special_tokens": [str(t) for t in extra],
+            "chat_template": getattr(tok, "chat_template", None), "probes": probes,
+            "decoded": {text: tok.decode(ids) for text, ids in probes.items()},
+            "side": {name: getattr(tok, name, None) for name in TOKENIZER_SIDE}}
+
+
+_BASE_TOKENIZERS: dict = {}
+
+
+def base_tokenizer_behaviour(base_dir: str) -> dict:
+    """The base tokenizer's behaviour, cached per folder and file state (admission runs once per candidate)."""
+    base = Path(base_dir)
+    key = (str(base.resolve()), tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size)
+                                             for p in base.iterdir() if p.is_file() and p.suffix != ".safetensors")))
+    if key not in _BASE_TOKENIZERS:
+        _BASE_TOKENIZERS.clear()
+        _BASE_TOKENIZERS[key] = tokenizer_behaviour(load_tokenizer(base))
+    return _BASE_TOKENIZERS[key]
+
+
+def tokenizer_matches_base(folder: Path, files: dict[str, str], base_dir: str) -> list[str]:
+    """Evaluation tokenizes with the candidate's own tokenizer: it must behave exactly like the base model's."""
+    where = tokenizer_files(files)
+    if where == "the tokenizer files":
+        return ["no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...): evaluation and serving "
+                "tokenize with the checkpoint's own tokenizer; ship the base model's beside the weights"]
+    try:
+        mine = tokenizer_behaviour(load_tokenizer(folder))
+    except Exception as err:  # noqa: BLE001 - whatever the files do, the candidate is refused
+        return [f"{where}: transformers cannot load the tokenizer ({type(err).__name__}: {err})"]
+    theirs = base_tokenizer_behaviour(base_dir)
+    reasons = []
+    if mine["vocab"] != theirs["vocab"]:
+        moved = sorted(t for t in set(mine["vocab"]) & set(theirs["vocab"]) if mine["vocab"][t] != theirs["vocab"][t])
+        added, gone = sorted(set(mine["vocab"]) - set(theirs["vocab"])), sorted(set(theirs["vocab"]) - set(mine["vocab"]))
+        detail = "; ".join(part for part in (
+            f"{len(moved)} tokens map to other ids (e.g. {moved[0]!r}: {mine['vocab'][moved[0]]}, the base "
+            f"{theirs['vocab'][moved[0]]})" if moved else "",
+            f"{len(added)} tokens not in the base (e.g. {added[0]!r})" if added else "",
+            f"{len(gone)} base tokens missing (e.g. {gone[0]!r})" if gone else "") if part)
+        reasons.append(f"{where}: the vocabulary differs from the base model's ({detail})")
+    for name, (token, tid) in mine["special"].items():
+        if (token, tid) != theirs["special"][name]:
+            reasons.append(f"{where}: {name} is {token!r} (id {tid}), the base model's is "
+                           f"{theirs['special'][name][0]!r} (id {theirs['special'][name][1]})")
+    if mine["additional_special_tokens"] != theirs["additional_special_tokens"]:
+        reasons.append(f"{where}: additional special tokens {mine['additional_special_tokens']}, the base model has "
+                       f"{theirs['additional_special_tokens']}")
+    if mine["chat_template"] != theirs["chat_template"]:
+        template_files = [rel for rel in files if rel.endswith(".jinja")] or ["tokenizer_config.json"]
+        reasons.append(f"{', '.join(template_files)}: the chat template differs from the base model's")
+    for name, value in mine["side"].items():
+        if value != theirs["side"][name]:
+            reasons.append(f"{where}: {name} is {value!r}, the base model's is {theirs['side'][name]!r}")
+    for text, ids in mine["probes"].items():
+        if ids != theirs["probes"][text]:
+            reasons.append(f"{where}: {text!r} encodes to {ids}, the base tokenizer gives {theirs['probes'][text]}")
+        elif mine["decoded"][text] != theirs["decoded"][text]:
+            reasons.append(f"{where}: the ids of {text!r} decode to {mine['decoded'][text]!r}, the base tokenizer "
+                           f"gives {theirs['decoded'][text]!r}")
+    return reasons
+
+
+def generation_matches_base(config: dict, docs: dict, base_dir: str) -> list[str]:
+    """generation_config.json must be the base model's (apart from GENERATION_IGNORED and GPTQModel's do_sample)."""
+    mine = docs.get("generation_config.json")
+    if mine is None:
+        return []  # transformers derives one from config.json, which is compared with the base's
+    if not isinstance(mine, dict):
+        return [f"generation_config.json: a {type(mine).__name__}, not a JSON object"]
+    path = Path(base_dir) / "generation_config.json"
+    try:
+        theirs = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError) as err:
+        return [f"{path}: the base model's generation config cannot be read ({err})"]
+    mine = {k: v for k, v in mine.items() if k not in GENERATION_IGNORED}
+    if theirs is None:
+        from transformers import GenerationConfig
+
+        defaults = GenerationConfig().to_dict()
+        expected = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        reasons = []
+        for key, value in sorted(mine.items()):
+            if key in expected:
+                if value != expected[key]:
+                    reasons.append(f"generation_config.json: {key} is {value!r}, config.json has {expected[key]!r}")
+            elif key == "_from_model_config" or (key == "do_sample" and value is True) or \
+                    (key in defaults and json.dumps(defaults[key], default=str) == json.dumps(value, default=str)):
+                continue
+            else:
+                reasons.append(f"generation_config.json: {key} is {value!r}; the base model has no "
+                               "generation_config.json, so only the token ids of config.json may be set")
+        return reasons
+    theirs = {k: v for k, v in theirs.items() if k not in GENERATION_IGNORED}
+    if mine.get("do_sample") is True and not theirs.get("do_sample"):  # what GPTQModel writes on every save
+        mine = {k: v for k, v in mine.items() if k != "do_sample"}
+        theirs = {k: v for k, v in theirs.items() if k != "do_sample"}
+    return [f"generation_config.json: {key} is {mine.get(key)!r}, the base model's is {theirs.get(key)!r}"
+            for key in sorted(set(mine) | set(theirs))
+            if json.dumps(mine.get(key), sort_keys=True) != json.dumps(theirs.get(key), sort_keys=True)]
 
 
 @dataclass
@@ -883,6 +1108,11 @@ def inspect(folder: Path, base_dir: str, found: Inspection) -> None:
     found.reasons += bad + config_drift(config, base_dir)
     found.step = "the tokenizer files"
     found.reasons += tokenizer_fits(config, docs)
+    found.step = "generation_config.json against the base model"
+    found.reasons += generation_matches_base(config, docs, base_dir)
+    if not found.reasons:  # only a folder whose files passed the checks above is handed to transformers
+        found.step = "the tokenizer against the base model"
+        found.reasons += tokenizer_matches_base(folder, found.files, base_dir)
     weights = [rel for rel, kind in found.files.items() if kind == "weights"]
     if not weights:
         found.reasons.append("no .safetensors weights in the checkpoint")

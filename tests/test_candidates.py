@@ -165,7 +165,10 @@ def test_hub_snapshot_layout_is_admitted_and_extras_ignored(tmp_path, direct_che
     (snap / "original").mkdir()
     torch.save({"w": torch.zeros(2)}, snap / "original" / "consolidated.00.pth")  # a pickle: ignored, never read
 
-    manifest = candidates.admit("vendor-gptq", str(snap), str(tiny_model), tmp_path / "variants")
+    base = shutil.copytree(tiny_model, tmp_path / "base")  # a base model with the same chat templates
+    shutil.copy(snap / "chat_template.jinja", base / "chat_template.jinja")
+    shutil.copytree(snap / "additional_chat_templates", base / "additional_chat_templates")
+    manifest = candidates.admit("vendor-gptq", str(snap), str(base), tmp_path / "variants")
     assert manifest["status"] == "ok", manifest.get("reasons")
     copy = tmp_path / "variants" / "vendor-gptq"
     assert set(manifest["files"]) == {"config.json", "generation_config.json", "model.safetensors", "quant_log.csv",
@@ -355,6 +358,63 @@ def test_config_drift_fails(tmp_path, direct_checkpoints, tiny_model, change, re
     assert reason in reasons_of(bad, tiny_model)
 
 
+def permute_vocab(t):
+    vocab = t["model"]["vocab"]
+    tokens = list(vocab)
+    t["model"]["vocab"] = dict(zip(tokens, [vocab[k] for k in tokens][::-1]))
+
+
+@pytest.mark.parametrize("kind,name,change,reason", [
+    ("gptq", "tokenizer.json", permute_vocab, "the vocabulary differs from the base model's"),
+    ("awq", "tokenizer_config.json", lambda c: c.update(eos_token="<pad>"), "eos_token is '<pad>' (id 0), the base "
+     "model's is '</s>' (id 2)"),
+    ("int8", "tokenizer_config.json", lambda c: c.update(chat_template="{{ 'x' }}"),
+     "tokenizer_config.json: the chat template differs from the base model's"),
+    ("gptq", "tokenizer.json", lambda t: t.update(normalizer={"type": "Lowercase"}), "encodes to"),
+    ("gptq", "generation_config.json", lambda c: c.update(do_sample=True, temperature=5.0),
+     "generation_config.json: temperature is 5.0, the base model's is None"),
+    ("awq", "generation_config.json", lambda c: c.update(eos_token_id=5),
+     "generation_config.json: eos_token_id is 5, the base model's is 2"),
+])
+def test_tokenizer_and_generation_config_must_match_the_base(tmp_path, direct_checkpoints, tiny_model, kind, name,
+                                                              change, reason):
+    """Evaluation tokenizes with the candidate's own tokenizer: a tampered one would be evaluated and registered."""
+    bad = broken_copy(direct_checkpoints[kind], tmp_path / "c")
+    if not (bad / "generation_config.json").exists():
+        shutil.copy(tiny_model / "generation_config.json", bad / "generation_config.json")
+    assert candidates.validate(bad, str(tiny_model))["admitted"]
+    edit_config(bad, change, name=name)
+    reasons = reasons_of(bad, tiny_model)
+    assert any(reason in r for r in reasons), reasons
+    assert all(r.split(": ", 1)[0] for r in reasons)
+
+
+def test_a_tokenizer_that_does_not_load_is_a_refusal_naming_the_files(tmp_path, direct_checkpoints, tiny_model):
+    bad = broken_copy(direct_checkpoints["awq"], tmp_path / "c")
+    edit_config(bad, lambda t: t.update(pre_tokenizer={"type": "NoSuchPreTokenizer"}), name="tokenizer.json")
+    reasons = reasons_of(bad, tiny_model)
+    assert len(reasons) == 1 and reasons[0].startswith("tokenizer.json, tokenizer_config.json: transformers cannot "
+                                                       "load the tokenizer ("), reasons
+
+
+def test_only_vocab_json_and_vocab_txt_are_accepted(tmp_path, direct_checkpoints, tiny_model):
+    bad = broken_copy(direct_checkpoints["awq"], tmp_path / "c")
+    (bad / "vocab.pickle2").write_bytes(b"\x80\x04junk")
+    assert reasons_of(bad, tiny_model) == [
+        "vocab.pickle2: unexpected file type; accepted: safetensors, JSON, tokenizer and plain-text files"]
+    assert candidates.classify("vocab.txt") == ("tokenizer", None)
+    assert candidates.classify("vocab.json") == ("json", None)
+
+
+def test_a_checkpoint_without_a_tokenizer_fails_saying_so(tmp_path, direct_checkpoints, tiny_model):
+    bad = broken_copy(direct_checkpoints["awq"], tmp_path / "c")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        (bad / name).unlink(missing_ok=True)
+    assert reasons_of(bad, tiny_model) == [
+        "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...): evaluation and serving tokenize with "
+        "the checkpoint's own tokenizer; ship the base model's beside the weights"]
+
+
 def test_tokenizer_longer_than_vocab_fails(tmp_path, direct_checkpoints, tiny_model):
     bad = broken_copy(direct_checkpoints["awq"], tmp_path / "c")
     edit_config(bad, lambda t: t["added_tokens"].append(
@@ -512,14 +572,82 @@ def test_quant_config_json_is_read_like_gptqmodel_reads_it(tmp_path, direct_chec
     assert candidates.validate(bad, str(tiny_model))["admitted"]
 
 
-def test_gptq_settings_come_from_the_file_gptqmodel_reads(tmp_path, direct_checkpoints, tiny_model):
-    """Without a quantization_config in config.json, GPTQModel still loads by quantize_config.json: checked by it."""
+def test_gptq_without_a_quantization_config_in_config_json_fails(tmp_path, direct_checkpoints, tiny_model):
+    """GPTQModel would load by quantize_config.json, but transformers reads only config.json: refused like AWQ."""
     bad = broken_copy(direct_checkpoints["gptq"], tmp_path / "c")
     edit_config(bad, lambda c: c.pop("quantization_config"))
-    assert candidates.validate(bad, str(tiny_model))["bits"] == 3
-    edit_config(bad, lambda c: c.update(bits=4), name="quantize_config.json")
-    assert "model.safetensors: tensor model.layers.0.self_attn.q_proj.qweight: I32[6, 64] but quantization_config " \
-           "(bits=4, group_size=64) and the base layer (64 -> 64) imply I32[8, 64]" in reasons_of(bad, tiny_model)
+    assert reasons_of(bad, tiny_model) == [
+        "quantize_config.json: quant_method 'gptq', but config.json has no quantization_config (transformers would "
+        "load the packed tensors as an unquantized model)"]
+
+
+def test_autogptq_quantize_config_without_quant_method_is_gptq(tmp_path, direct_checkpoints, tiny_model):
+    """Older AutoGPTQ writes quantize_config.json with no quant_method: it is GPTQ's file, read as GPTQ."""
+    ok = broken_copy(direct_checkpoints["gptq"], tmp_path / "c")
+    edit_config(ok, lambda c: [c.pop(k) for k in ("quant_method", "method", "format", "checkpoint_format")],
+                name="quantize_config.json")
+    report = candidates.validate(ok, str(tiny_model))
+    assert report["admitted"], report["reasons"]
+    assert (report["method"], report["bits"], report["checkpoint_format"]) == ("gptq", 3, "gptq")
+    edit_config(ok, lambda c: c.update(bits=4), name="quantize_config.json")  # the message names the wrong file
+    assert reasons_of(ok, tiny_model) == [
+        "config.json quantization_config: bits 3, but quantize_config.json says bits 4 (the loaders read different "
+        "files; they must agree)"]
+
+
+@pytest.mark.parametrize("key,default", [("sym", True), ("desc_act", False), ("checkpoint_format", "gptq")])
+def test_a_setting_missing_from_one_file_is_compared_as_its_readers_default(tmp_path, direct_checkpoints,
+                                                                           tiny_model, key, default):
+    """GPTQModel reads quantize_config.json first and fills a missing sym with True: config.json's false disagrees."""
+    bad = broken_copy(direct_checkpoints["gptq_v2" if key == "checkpoint_format" else "gptq"], tmp_path / "c")
+    config = json.loads((bad / "config.json").read_text())["quantization_config"]
+    if config[key] == default:  # make config.json state the other value, as a real checkpoint would
+        edit_config(bad, lambda c: c["quantization_config"].update({key: not default}))
+        edit_config(bad, lambda c: c.update({key: not default}), name="quantize_config.json")
+    edit_config(bad, lambda c: [c.pop(k, None) for k in (key, "format" if key == "checkpoint_format" else key)],
+                name="quantize_config.json")
+    reasons = reasons_of(bad, tiny_model)
+    assert len(reasons) == 1 and reasons[0].startswith(f"config.json quantization_config: {key} "), reasons
+    assert f"quantize_config.json says {key} (not set there, so GPTQModel's default) {default!r}" in reasons[0]
+
+
+@pytest.mark.parametrize("name,change,reason", [
+    ("quantize_config.json", lambda c: c.update(adapter={"name": "lora", "path": "/tmp/elsewhere", "rank": 8}),
+     "quantize_config.json: adapter {'name': 'lora', 'path': '/tmp/elsewhere', 'rank': 8} refused: GPTQModel would "
+     "load LoRA weights from that path or hub repo"),
+    ("quantize_config.json", lambda c: c.update(dynamic={"-:.*mlp.*": {}}),
+     "quantize_config.json: dynamic {'-:.*mlp.*': {}} refused: GPTQModel would change bits/group size per module"),
+    ("config.json", lambda c: c["quantization_config"].update(adapter={"name": "lora", "path": "org/repo"}),
+     "config.json quantization_config: adapter {'name': 'lora', 'path': 'org/repo'} refused"),
+    ("quantize_config.json", lambda c: c.update(rotation="hadamard"),
+     "quantize_config.json: key 'rotation' is not one the gptq writers use; refused"),
+    ("config.json", lambda c: c["quantization_config"].update(something_new=1),
+     "config.json quantization_config: key 'something_new' is not one the gptq writers use; refused"),
+])
+def test_quantization_config_keys_outside_the_allow_list_fail(tmp_path, direct_checkpoints, tiny_model, name,
+                                                               change, reason):
+    bad = broken_copy(direct_checkpoints["gptq"], tmp_path / "c")
+    edit_config(bad, change, name=name)
+    reasons = reasons_of(bad, tiny_model)
+    assert len(reasons) == 1 and reasons[0].startswith(reason), reasons
+
+
+def test_empty_adapter_and_dynamic_are_admitted(tmp_path, direct_checkpoints, tiny_model):
+    ok = broken_copy(direct_checkpoints["gptq"], tmp_path / "c")
+    edit_config(ok, lambda c: c.update(adapter=None, dynamic={}), name="quantize_config.json")
+    assert candidates.validate(ok, str(tiny_model))["admitted"]
+
+
+@pytest.mark.parametrize("kind,change", [
+    ("awq", lambda c: c["quantization_config"].update(modules_to_not_convert=["mlp"])),
+    ("int8", lambda c: c["quantization_config"].update(llm_int8_skip_modules=["model.layers.0.mlp.up_proj"])),
+    ("awq", lambda c: c["quantization_config"].update(surprise=True)),
+])
+def test_other_methods_keys_are_allow_listed_too(tmp_path, direct_checkpoints, tiny_model, kind, change):
+    bad = broken_copy(direct_checkpoints[kind], tmp_path / "c")
+    edit_config(bad, change)
+    reasons = reasons_of(bad, tiny_model)
+    assert len(reasons) == 1 and reasons[0].startswith("config.json quantization_config: "), reasons
 
 
 def test_awq_settings_only_in_a_side_file_fail(tmp_path, direct_checkpoints, tiny_model):
