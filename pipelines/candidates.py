@@ -1170,6 +1170,17 @@ def validate(folder: str | Path, base_dir: str) -> dict:
     return run_checks(folder, base_dir, copy_to=None)
 
 
+def record_failure(name: str, path: str, base_dir: str, cause: str, out_root: Path = VARIANTS_DIR) -> dict:
+    """The manifest of a candidate whose admission died outside the stage (`quantgate fanout`): refused, with why."""
+    manifest = {"variant": name, "candidate": True, "source_path": str(path), "base_model": base_dir, "status": "failed",
+                "reasons": [cause], "validation": {"admitted": False, "reasons": [cause]}, "error": cause}
+    for leftover in out_root.glob(f".{name}.*"):  # atomic_dir's temp folders of a killed process
+        shutil.rmtree(leftover, ignore_errors=True)
+    with atomic_dir(out_root / name) as tmp:
+        write_json(tmp / MANIFEST, manifest)
+    return manifest
+
+
 def admit(name: str, path: str, base_dir: str, out_root: Path = VARIANTS_DIR) -> dict:
     """Validate while copying the bytes into out_root/name, with a manifest; or record the rejection."""
     from pipelines.quantize import disk_bytes, library_versions

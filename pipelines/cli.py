@@ -113,6 +113,11 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise QuantgateError(f"{args.variant!r} is a candidate: use `quantgate admit {args.variant}`")
     source = resolve_model(params.model)
     device = resolve_device(params.device)
+    if args.failed_because:  # `quantgate fanout` records a run that died outside the stage (docs/fanout.md)
+        quantize.record_failure(args.variant, settings, source, device, args.failed_because)
+        write_json(RESULTS / "quantize" / f"{args.variant}.json", {"variant": args.variant, "status": "failed"})
+        log.warning("quantize %s: recorded as FAILED (%s)", args.variant, args.failed_because)
+        return 0
     with logs.progress(total=1, desc=f"quantize {args.variant} ({settings.method})", bar_format="{desc}: {elapsed}") as bar:
         done, error = run_isolated(quantize.quantize_variant,
                                    (args.variant, settings, source, BUILT_DIR, device),
@@ -143,6 +148,11 @@ def cmd_admit(args: argparse.Namespace) -> int:
         params.model_under_test(args.candidate)
         raise QuantgateError(f"{args.candidate!r} is a variant: use `quantgate quantize {args.candidate}`")
     source = resolve_model(params.model)
+    if args.failed_because:  # `quantgate fanout` records a run that died outside the stage (docs/fanout.md)
+        candidates.record_failure(args.candidate, params.candidates[args.candidate].path, source.location,
+                                  args.failed_because)
+        log.warning("admit %s: recorded as FAILED (%s)", args.candidate, args.failed_because)
+        return 0
     manifest = candidates.admit(args.candidate, params.candidates[args.candidate].path, source.location)
     if manifest["status"] == "ok":
         log.info("admit %s: %s checkpoint validated (%d tensors) -> models/variants/%s", args.candidate,
@@ -165,6 +175,11 @@ def cmd_memory(args: argparse.Namespace) -> int:
     params = load_params()
     params.model_under_test(args.variant)
     device = resolve_device(params.device)
+    if args.failed_because:  # `quantgate fanout` records a run that died outside the stage (docs/fanout.md)
+        write_json(MEMORY_DIR / f"{args.variant}.json", {"variant": args.variant, "device": device, "status": "failed",
+                                                         "error": args.failed_because})
+        log.warning("memory %s: recorded as FAILED (%s)", args.variant, args.failed_because)
+        return 0
     with logs.progress(total=1, desc=f"memory {args.variant} ({device})", bar_format="{desc}: {elapsed}") as bar:
         result = memory.measure_isolated(str(VARIANTS_DIR / args.variant), params.memory, device, args.inject_leak_bytes,
                                          args.inject_leak_rounds)
@@ -274,6 +289,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         atomic_write_text(EVAL_RESULTS / BASELINE / "items.jsonl", (BASELINE_RESULTS / "items.jsonl").read_text("utf-8"))
         write_json(EVAL_RESULTS / f"{BASELINE}.json", read_json(BASELINE_RESULTS / "eval.json"))
         log.info("evaluate fp16: the baseline's records (%s) -> %s", BASELINE_RESULTS, EVAL_RESULTS / BASELINE)
+        return 0
+    if args.failed_because:  # `quantgate fanout` records a run that died outside the stage (docs/fanout.md)
+        write_jsonl(EVAL_RESULTS / args.variant / "items.jsonl", [])
+        write_json(EVAL_RESULTS / f"{args.variant}.json", {"variant": args.variant, "device": resolve_device(params.device),
+                                                          "batch_size": p.batch_size, "status": "failed",
+                                                          "error": args.failed_because})
+        log.warning("evaluate %s: recorded as FAILED (%s)", args.variant, args.failed_because)
         return 0
     plans = compare.probe_plans(p.domains, p)
     base_rows = read_jsonl(BASELINE_RESULTS / "items.jsonl")
@@ -399,6 +421,27 @@ def cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fanout(args: argparse.Namespace) -> int:
+    """The per-variant chains as Ray tasks on a cluster, then `dvc commit` of what ran (pipelines/fanout.py)."""
+    from pipelines import fanout
+    from pipelines.params import load_params
+
+    report = fanout.run(Path(os.environ.get("DVC_ROOT", ".")).resolve(), load_params(), args.address)
+    if args.report:
+        from pipelines.io import write_json
+
+        write_json(Path(args.report), report)
+    for name, row in report["ran"].items():
+        log.info("fanout %-16s %7.1f s on %s", name, row["seconds"], row["node"])
+    for name, why in report["failed"].items():
+        log.warning("fanout %-16s FAILED, recorded: %s", name, why)
+    log.info("fanout: %d stages ran, %d failed (recorded), %d up to date; dvc.lock records them. Next: dvc repro "
+             "(memory-report, compare, route, record)%s", len(report["ran"]), len(report["failed"]),
+             len(report["skipped_up_to_date"]),
+             f"; wall time {report['wall_seconds']} s" if "wall_seconds" in report else "")
+    return 0
+
+
 def cmd_fetch(args: argparse.Namespace) -> int:
     """Download the checkpoint behind a registry alias or version and verify every file's sha256."""
     from pipelines import record
@@ -519,14 +562,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("quantize", help="stage 3: quantize one variant from params.yaml -> models/variants/<variant>/")
     p.add_argument("variant")
+    p.add_argument("--failed-because", metavar="CAUSE", default=None,
+                   help="record this stage as failed with CAUSE, without running it (quantgate fanout uses it)")
     p.set_defaults(func=cmd_quantize)
 
     p = sub.add_parser("admit", help="stage 3b: validate a third-party checkpoint from candidates: -> models/variants/<name>/")
     p.add_argument("candidate")
+    p.add_argument("--failed-because", metavar="CAUSE", default=None,
+                   help="record this stage as failed with CAUSE, without running it (quantgate fanout uses it)")
     p.set_defaults(func=cmd_admit)
 
     p = sub.add_parser("memory", help="stage 4: memory of one variant (fresh process) -> results/memory/<variant>.json")
     p.add_argument("variant")
+    p.add_argument("--failed-because", metavar="CAUSE", default=None,
+                   help="record this stage as failed with CAUSE, without running it (quantgate fanout uses it)")
     p.add_argument("--inject-leak-bytes", type=int, default=0, metavar="N",
                    help="keep N extra bytes alive per soak round: checks that the leak detector fires")
     p.add_argument("--inject-leak-rounds", type=int, default=None, metavar="K",
@@ -542,6 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("evaluate", help="stage 5: lm-eval probes per item + fidelity vs fp16 -> results/eval/<variant>.json")
     p.add_argument("variant")
+    p.add_argument("--failed-because", metavar="CAUSE", default=None,
+                   help="record this stage as failed with CAUSE, without running it (quantgate fanout uses it)")
     p.set_defaults(func=cmd_evaluate)
 
     p = sub.add_parser("compare", help="stage 6: paired A/B of every variant vs fp16 per domain -> results/compare.json")
@@ -558,6 +609,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("record", help="stage 8: parent + child runs in MLflow, passing variants into the registry")
     p.set_defaults(func=cmd_record)
+
+    p = sub.add_parser("fanout", help="run the per-variant chains (quantize/admit, memory, baseline, evaluate) as Ray "
+                                      "tasks on a cluster and record them in dvc.lock; then dvc repro does the rest")
+    p.add_argument("--address", default=None, metavar="ADDR",
+                   help="the Ray cluster (`auto`: the one `ray start` runs here; default: RAY_ADDRESS, else a "
+                        "local Ray started for this run)")
+    p.add_argument("--report", metavar="FILE", help="also write what ran where, what failed and what was committed "
+                                                    "as JSON")
+    p.set_defaults(func=cmd_fanout)
 
     p = sub.add_parser("gate", help="release verdict: exit 0 pass, 1 fail, 2 could not decide; "
                                     "writes results/gate.json and results/report.md")

@@ -443,6 +443,23 @@ def _shipped_requests() -> dict[str, RequestParams]:
             for name, probe in DEFAULT_PROBES.items()}
 
 
+class FanoutResources(Section):
+    """Ray resources one task of a variant's chain asks for."""
+
+    cpus: float = Field(1, gt=0)
+    gpus: float = Field(0, ge=0)
+
+
+class FanoutParams(Section):
+    """`quantgate fanout`: the per-variant chains as Ray tasks (docs/fanout.md)."""
+
+    cpus: float = Field(1, gt=0)  # per task, unless per_variant says otherwise
+    gpus: float = Field(0, ge=0)  # e.g. 1 on CUDA; a 70B fp16 baseline: as many as it spans
+    per_variant: dict[str, FanoutResources] = {}
+    retries: int = Field(1, ge=0)  # Ray re-runs a task whose worker died (node lost, SIGKILL) this often
+    timeout_margin_seconds: int = Field(600, gt=0)  # a task is killed after its stage's own timeout plus this
+
+
 class MlflowParams(Section):
     """Where `record` writes: the experiment, and the registered model that passing variants join."""
 
@@ -474,6 +491,7 @@ class Params(Section):
     compare: CompareParams = Field(default_factory=CompareParams, validate_default=True)
     route: RouteParams = RouteParams()
     mlflow: MlflowParams = MlflowParams()
+    fanout: FanoutParams = FanoutParams()
 
     @field_validator("requests")
     @classmethod
@@ -531,6 +549,9 @@ class Params(Section):
                 raise ValueError(f"variant/candidate name {name!r}: use lowercase letters, digits, '-' and '_'")
         if "fp16" not in self.variants or self.variants["fp16"].method != "none":
             raise ValueError("variants.fp16 with method 'none' is required: it is the baseline every variant is judged against")
+        unknown = sorted(set(self.fanout.per_variant) - set(names))
+        if unknown:
+            raise ValueError(f"fanout.per_variant: {unknown[0]!r} is no variant or candidate")
         clash = set(self.variants) & set(self.candidates)
         if clash:
             raise ValueError(f"{sorted(clash)[0]!r} is both a variant and a candidate; names must be unique")

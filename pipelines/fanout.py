@@ -1,0 +1,243 @@
+"""`quantgate fanout`: the per-variant chains on a Ray cluster, recorded in dvc.lock as if `dvc repro` ran them.
+
+    ray start --head --num-cpus N              # one machine; the others: ray start --address HEAD:6379
+    quantgate fanout --address auto            # quantize/admit -> memory, baseline -> evaluate, as Ray tasks
+    dvc repro                                  # what is left: memory-report, compare, route, record
+
+Ray schedules; quantgate only says what depends on what. Each stage of a chain runs as one Ray task that
+runs the stage's own `quantgate` command in a subprocess (so in its own process, exactly as `dvc repro`
+would run it), asking for the resources `fanout` in params.yaml gives its variant. The workspace must be
+one filesystem that every node sees (NFS or the like: docs/fanout.md): outputs land where `dvc repro`
+puts them, each written atomically by the stage itself. When every task has ended, `dvc commit` records
+the stages that ran in dvc.lock, so `dvc status` is clean for them and the gate accepts their results.
+
+Faults: a task whose worker dies (a node lost, SIGKILL) is retried `fanout.retries` times by Ray; a stage
+command killed by its timeout (the stage's own timeout from params plus `fanout.timeout_margin_seconds`),
+or whose retries ran out, is recorded as that variant's failure with the cause (`--failed-because`), and
+the stages after it run as they would after any failure. Only the fp16 baseline is fatal, as in `dvc repro`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipelines.errors import QuantgateError
+
+log = logging.getLogger(__name__)
+
+BASELINE = "fp16"
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Stage:
+    """One dvc.yaml stage of a chain: its name, its command, what it waits for, and its kind's timeout."""
+
+    name: str  # as in dvc.yaml: quantize@int8, baseline, ...
+    argv: list[str]  # the stage's cmd, split
+    variant: str
+    kind: str  # quantize, admit, memory, baseline, evaluate
+    timeout: float
+    after: list[str] = field(default_factory=list)
+
+
+def chain_stages(params) -> dict[str, Stage]:
+    """Every per-variant stage of dvc.yaml in dependency order (the commands are dvc.yaml's: tested)."""
+    margin = params.fanout.timeout_margin_seconds
+    quantize_t, memory_t = params.quantize.timeout_seconds + margin, params.memory.timeout_seconds + margin
+    evaluate_t = params.evaluate.timeout_seconds + margin
+    stages: dict[str, Stage] = {}
+    for name in params.variants:
+        stages[f"quantize@{name}"] = Stage(f"quantize@{name}", ["quantgate", "quantize", name], name, "quantize",
+                                           quantize_t)
+    for name in params.candidates:
+        stages[f"admit@{name}"] = Stage(f"admit@{name}", ["quantgate", "admit", name], name, "admit", quantize_t)
+    made = {name: f"quantize@{name}" for name in params.variants} | {name: f"admit@{name}" for name in params.candidates}
+    for name, maker in made.items():
+        stages[f"memory@{name}"] = Stage(f"memory@{name}", ["quantgate", "memory", name], name, "memory", memory_t,
+                                         [maker])
+    stages["baseline"] = Stage("baseline", ["quantgate", "baseline"], BASELINE, "baseline", evaluate_t,
+                               [made[BASELINE]])
+    for name, maker in made.items():
+        stages[f"evaluate@{name}"] = Stage(f"evaluate@{name}", ["quantgate", "evaluate", name], name, "evaluate",
+                                           evaluate_t, [maker, "baseline"])
+    return stages
+
+
+def stale(stages: dict[str, Stage], changed: set[str]) -> list[str]:
+    """The stages to run: those DVC finds changed, and every stage after one of them."""
+    need: list[str] = []
+    for name, stage in stages.items():  # dependency order
+        if name in changed or any(up in need for up in stage.after):
+            need.append(name)
+    return need
+
+
+def dvc_changed(root: Path) -> set[str]:
+    """Stages `dvc status` reports as changed (never run, changed deps, outs or params)."""
+    out = subprocess.run([dvc_bin(), "status", "--json"], cwd=root, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise QuantgateError(f"dvc status failed: {out.stderr.strip() or out.stdout.strip()}")
+    return set(json.loads(out.stdout or "{}"))
+
+
+def dvc_bin() -> str:
+    return str(Path(sys.executable).with_name("dvc"))
+
+
+def resources(params, variant: str) -> dict:
+    """Ray resources of one task: the variant's own in fanout.per_variant, else fanout's defaults."""
+    r = params.fanout.per_variant.get(variant, params.fanout)
+    return {"num_cpus": r.cpus, "num_gpus": r.gpus}
+
+
+def _die_with_parent() -> None:
+    """In the stage's process: SIGKILL when the Ray worker that started it dies (Linux), so a killed worker
+    leaves no orphan stage behind to race its retry."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def run_stage(root: str, stage: Stage, env: dict, *upstream) -> dict:
+    """Run one stage's command in `root` (a Ray task's body). Never raises for the stage's own failure: returns
+    what happened, so the driver records it. `upstream`: the results of the stages it waits for; if one of
+    them failed, it does not run (the driver records that failure first, then runs it)."""
+    failed = [u["stage"] for u in upstream if not u.get("ok")]
+    if failed:
+        return {"stage": stage.name, "ok": False, "upstream_failed": True, "error": f"{', '.join(failed)} failed first"}
+    started = time.monotonic()
+    proc = subprocess.Popen(stage.argv, cwd=root, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_die_with_parent)
+    try:
+        output, _ = proc.communicate(timeout=stage.timeout)
+        error = None if proc.returncode == 0 else f"exited with status {proc.returncode}: {output.strip()[-1500:]}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        output, error = "", f"ran past its {stage.timeout:g} s timeout (fanout) and was killed"
+    return {"stage": stage.name, "ok": error is None, "error": error, "seconds": round(time.monotonic() - started, 1),
+            "node": _node(), "pid": os.getpid()}
+
+
+def _node() -> str:
+    """The Ray node this runs on (host and node id: several nodes may share a host), else the host."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return f"{socket.gethostname()}/{ray.get_runtime_context().get_node_id()[:8]}"
+    except Exception:  # noqa: BLE001 - naming the node is best effort
+        pass
+    return socket.gethostname()
+
+
+def record_failure(root: Path, stage: Stage, cause: str, env: dict) -> None:
+    """The stage's own failure record (its command with --failed-because), written where its outputs go."""
+    if stage.kind == "baseline":
+        raise QuantgateError(f"the fp16 baseline could not be evaluated: {cause}")
+    done = subprocess.run([*stage.argv, "--failed-because", cause[:2000]], cwd=root, env={**os.environ, **env},
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise QuantgateError(f"{stage.name}: could not record its failure ({done.stderr.strip()[-500:]})")
+
+
+def run(root: Path, params, address: str | None, env: dict | None = None) -> dict:
+    """The whole fan-out; returns what ran where, what failed, and what was committed."""
+    import ray
+
+    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+    upstream = subprocess.run([dvc_bin(), "repro", "calibrate"], cwd=root, env={**os.environ, **env})
+    if upstream.returncode != 0:
+        raise QuantgateError("dvc repro calibrate failed: the chains need the reference model and calibration sets")
+    stages = chain_stages(params)
+    todo = stale(stages, dvc_changed(root))
+    report: dict = {"ran": {}, "failed": {}, "committed": [], "skipped_up_to_date": [s for s in stages if s not in todo]}
+    if not todo:
+        log.info("fanout: every chain stage is up to date")
+        return report
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        remote = ray.remote(max_retries=params.fanout.retries, retry_exceptions=False)(run_stage)
+        refs: dict[str, object] = {}
+        started = time.monotonic()
+        for name in todo:
+            stage = stages[name]
+            ups = [refs[u] for u in stage.after if u in refs]
+            refs[name] = remote.options(name=name, **resources(params, stage.variant)).remote(str(root), stage, env, *ups)
+        results = _gather(refs, stages)
+        report["wall_seconds"] = round(time.monotonic() - started, 1)
+    finally:
+        ray.shutdown()
+    for name in todo:  # dependency order: a failure is recorded before the stages after it run again here
+        stage, result = stages[name], results[name]
+        if result.get("ok"):
+            report["ran"][name] = result
+            continue
+        if result.get("upstream_failed"):  # never ran: its input failed; now that failure is recorded, run it
+            log.info("fanout: %s runs here, after %s", name, result["error"])
+            local = run_stage(str(root), stage, env)
+            if local["ok"]:
+                report["ran"][name] = local
+                continue
+            result = local
+        log.warning("fanout: %s FAILED (%s); recorded as %s's failure", name, result["error"], stage.variant)
+        record_failure(root, stage, f"{name}: {result['error']}", env)
+        report["failed"][name] = result["error"]
+    committed = [name for name in todo if name in report["ran"] or name in report["failed"]]
+    done = subprocess.run([dvc_bin(), "commit", "--force", *committed], cwd=root, env={**os.environ, **env},
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise QuantgateError(f"dvc commit failed: {done.stderr.strip() or done.stdout.strip()}")
+    report["committed"] = committed
+    return report
+
+
+def _gather(refs: dict[str, object], stages: dict[str, Stage]) -> dict[str, dict]:
+    """Each task's result, as tasks finish (progress bar); a task Ray gave up on, or that never ran because
+    a task before it failed, becomes a result saying so."""
+    import ray
+    from ray.exceptions import RayError
+
+    from pipelines import logs
+
+    by_ref = {ref: name for name, ref in refs.items()}
+    raw: dict[str, dict | Exception] = {}
+    pending = list(refs.values())
+    with logs.progress(total=len(pending), desc="fanout", unit="stage") as bar:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            name = by_ref[ready[0]]
+            try:
+                raw[name] = ray.get(ready[0])
+                row = raw[name]
+                log.info("fanout: %s %s in %ss on %s", name, "done" if row["ok"] else f"FAILED ({row['error']})",
+                         row.get("seconds", "-"), row.get("node", "-"))
+            except RayError as err:  # the task's worker died more often than Ray retries, or an input's did
+                raw[name] = err
+            bar.update()
+    results: dict[str, dict] = {}
+    for name in refs:  # dependency order: a task that failed because its input's task did is not its fault
+        got = raw[name]
+        if isinstance(got, dict):
+            results[name] = got
+            continue
+        failed_ups = [u for u in stages[name].after if u in results and not results[u].get("ok")]
+        results[name] = ({"stage": name, "ok": False, "upstream_failed": True, "error": f"{', '.join(failed_ups)} failed first"}
+                         if failed_ups else
+                         {"stage": name, "ok": False, "error": f"its Ray task failed after the retries: "
+                                                               f"{type(got).__name__}: {str(got).strip().splitlines()[0][:500]}"})
+    return results

@@ -1,0 +1,235 @@
+"""`quantgate fanout`: the chains as Ray tasks, recorded in dvc.lock; same answers as `dvc repro`, faults survived."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines import fanout
+from pipelines.params import Params
+from tests.conftest import ROOT
+
+
+def test_the_chain_stages_are_dvc_yamls_with_their_commands_and_order():
+    params = Params(candidates={"vendor": {"path": "/nowhere"}})
+    stages = fanout.chain_stages(params)
+    dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        kind, _, item = name.partition("@")
+        body = dvc[kind].get("do", dvc[kind])
+        assert stage.argv == body["cmd"].replace("${key}", item).split(), name
+    order = list(stages)
+    for name, stage in stages.items():  # every stage comes after what it waits for
+        assert all(order.index(up) < order.index(name) for up in stage.after), name
+    assert stages["evaluate@vendor"].after == ["admit@vendor", "baseline"]
+    assert stages["memory@int8"].timeout == params.memory.timeout_seconds + params.fanout.timeout_margin_seconds
+
+
+def test_a_changed_stage_reruns_everything_after_it():
+    stages = fanout.chain_stages(Params())
+    assert fanout.stale(stages, {"quantize@int8"}) == ["quantize@int8", "memory@int8", "evaluate@int8"]
+    everything_evaluated = fanout.stale(stages, {"quantize@fp16"})
+    assert "baseline" in everything_evaluated and all(f"evaluate@{v}" in everything_evaluated
+                                                      for v in ("fp16", "int8", "awq4", "gptq3"))
+    assert fanout.stale(stages, set()) == []
+
+
+def test_resources_come_from_params():
+    params = Params(fanout={"cpus": 2, "per_variant": {"fp16": {"cpus": 4, "gpus": 2}}})
+    assert fanout.resources(params, "fp16") == {"num_cpus": 4, "num_gpus": 2}
+    assert fanout.resources(params, "int8") == {"num_cpus": 2, "num_gpus": 0}
+    with pytest.raises(ValueError, match="fanout.per_variant: 'nope' is no variant or candidate"):
+        Params(fanout={"per_variant": {"nope": {"cpus": 1}}})
+
+
+def test_a_stage_past_its_timeout_is_killed_with_its_children(tmp_path):
+    marker = tmp_path / "child.pid"
+    stage = fanout.Stage("memory@int8", [sys.executable, "-c", f"import os, subprocess, time; "
+                                         f"p = subprocess.Popen(['sleep', '60']); open({str(marker)!r}, 'w').write(str(p.pid)); "
+                                         f"time.sleep(60)"], "int8", "memory", timeout=2)
+    result = fanout.run_stage(str(tmp_path), stage, {})
+    assert not result["ok"] and result["error"] == "ran past its 2 s timeout (fanout) and was killed"
+    assert result["seconds"] < 10
+    child = int(marker.read_text())
+    time.sleep(0.5)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+def test_a_stage_waits_for_nothing_that_failed():
+    stage = fanout.Stage("memory@int8", ["true"], "int8", "memory", 10, ["quantize@int8"])
+    result = fanout.run_stage(".", stage, {}, {"stage": "quantize@int8", "ok": False, "error": "boom"})
+    assert result == {"stage": "memory@int8", "ok": False, "upstream_failed": True,
+                      "error": "quantize@int8 failed first"}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# On a real two-node Ray cluster (two raylets on this machine, one CPU each)
+# ------------------------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tool(name: str) -> str:
+    return str(Path(sys.executable).with_name(name))
+
+
+def env() -> dict:
+    out = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    out.pop("MLFLOW_TRACKING_URI", None)
+    return out
+
+
+def raylets() -> list[str]:
+    return subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout.split()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """`ray start --head` and `ray start --address` (a second node), as a team starts a cluster; stopped after,
+    and nothing of it left running."""
+    import ray  # noqa: F401 - a dependency: its absence is a failure, not a skip
+
+    port, temp = free_port(), Path(f"/tmp/ray-qg-{os.getpid()}")  # short: Ray's socket paths must fit 107 bytes
+    common = ["--num-cpus=1", "--disable-usage-stats"]
+    head = subprocess.run([tool("ray"), "start", "--head", f"--port={port}", "--include-dashboard=false",
+                           f"--temp-dir={temp}", *common], env=env(), capture_output=True, text=True, timeout=180)
+    assert head.returncode == 0, head.stdout + head.stderr
+    try:
+        worker = subprocess.run([tool("ray"), "start", f"--address=127.0.0.1:{port}", *common], env=env(),
+                                capture_output=True, text=True, timeout=180)
+        assert worker.returncode == 0, worker.stdout + worker.stderr
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([tool("ray"), "stop", "--force"], env=env(), capture_output=True, timeout=180)
+        shutil.rmtree(temp, ignore_errors=True)
+    assert not raylets(), "ray stop left a raylet running"
+
+
+def small_repo(dest: Path, variants: list[str], **fanout_settings) -> Path:
+    """A copy of the repository with the end-to-end test's small settings, judged on accuracy alone: memory limits
+    wide enough that two stages measuring side by side on two cores cannot flip a verdict."""
+    from tests.test_pipeline_e2e import repo_copy
+
+    repo = repo_copy(dest)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["calibration"].update(samples=64, max_tokens=96)
+    params["evaluate"].update(look_items=20, max_items=40, fidelity_texts=16)
+    params["compare"]["policy"]["default"].update(max_accuracy_drop=0.25, max_growth_excess_pct=1000.0)
+    params["memory"].update(seq_fractions=[0.5, 1.0], warmup_rounds=1, rounds=10, max_rounds=10, tail_rounds=6,
+                            alternations=2, burst_size=2, leak_tolerance_pct=1000.0)
+    params["variants"] = {name: params["variants"][name] for name in variants}
+    params["fanout"].update(fanout_settings)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))
+    return repo
+
+
+def run(args: list[str], repo: Path, timeout: int = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=repo, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def sequential_and_fanned(tmp_path_factory, ray_cluster):
+    variants = ["fp16", "int8", "awq4", "gptq3"]
+    seq = small_repo(tmp_path_factory.mktemp("sequential"), variants)
+    fan = small_repo(tmp_path_factory.mktemp("fanned"), variants)
+    sequential = run([tool("dvc"), "repro"], seq)
+    assert sequential.returncode == 0, sequential.stdout[-3000:] + sequential.stderr[-3000:]
+    fanned = run([tool("quantgate"), "fanout", "--address", ray_cluster, "--report", "fanout.json"], fan)
+    assert fanned.returncode == 0, fanned.stdout[-3000:] + fanned.stderr[-3000:]
+    rest = run([tool("dvc"), "repro"], fan)
+    assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
+    return seq, fan, json.loads((fan / "fanout.json").read_text()), rest
+
+
+def records(repo: Path) -> dict:
+    out = {}
+    for path in sorted((repo / "results" / "eval").glob("*/items.jsonl")):
+        out[path.parent.name] = [json.loads(line) for line in path.read_text().splitlines()]
+    return out
+
+
+def verdicts(repo: Path) -> dict:
+    report = json.loads((repo / "results" / "compare.json").read_text())
+    return {(name, domain): (row["verdict"], (row.get("paired") or {}).get("items"),
+                             (row.get("paired") or {}).get("difference"), (row.get("paired") or {}).get("ci_low"))
+            for name, v in report["variants"].items() for domain, row in v["domains"].items()}
+
+
+def test_fanout_gives_the_same_records_and_verdicts_as_dvc_repro(sequential_and_fanned):
+    seq, fan, report, _ = sequential_and_fanned
+    assert records(fan) == records(seq) and len(records(seq)) == 4
+    assert verdicts(fan) == verdicts(seq)
+    assert (fan / "results/baseline/items.jsonl").read_text() == (seq / "results/baseline/items.jsonl").read_text()
+
+
+def test_fanout_spreads_the_chains_over_both_nodes_and_dvc_records_them(sequential_and_fanned):
+    _, fan, report, rest = sequential_and_fanned
+    expected = {f"{k}@{v}" for k in ("quantize", "memory", "evaluate") for v in ("fp16", "int8", "awq4", "gptq3")}
+    assert set(report["ran"]) == expected | {"baseline"} and report["failed"] == {}
+    assert set(report["committed"]) == set(report["ran"])
+    assert len({row["node"] for row in report["ran"].values()}) == 2  # both nodes took tasks
+    ran_after = {line.split("'")[1] for line in rest.stdout.splitlines() if line.startswith("Running stage")}
+    assert ran_after == {"memory-report", "compare", "route", "record"}, rest.stdout
+    status = run([tool("dvc"), "status"], fan)
+    assert "up to date" in status.stdout, status.stdout
+    gated = run([tool("quantgate"), "gate", "--variant", "int8"], fan)
+    assert gated.returncode in (0, 1), gated.stdout + gated.stderr  # decided: the gate accepts fanned-out results
+
+
+def kill_worker_of(stage_args: list[str], deadline: float) -> int:
+    """SIGKILL the Ray worker process running the stage whose command line is `quantgate <stage_args>`."""
+    needle = " ".join(["quantgate", *stage_args])
+    while time.monotonic() < deadline:
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                if needle in cmdline and "fanout" not in cmdline:
+                    parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    os.kill(parent, signal.SIGKILL)
+                    return parent
+            except (OSError, ValueError, IndexError):
+                continue
+        time.sleep(0.2)
+    raise AssertionError(f"no `{needle}` process appeared")
+
+
+@pytest.mark.parametrize("retries", [1, 0])
+def test_a_worker_killed_mid_task_is_retried_or_recorded_as_the_variants_failure(tmp_path, ray_cluster, retries):
+    repo = small_repo(tmp_path / "repo", ["fp16", "int8"], retries=retries)
+    proc = subprocess.Popen([tool("quantgate"), "fanout", "--address", ray_cluster, "--report", "fanout.json"],
+                            cwd=repo, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        kill_worker_of(["memory", "int8"], time.monotonic() + 900)
+        output, _ = proc.communicate(timeout=1800)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    report = json.loads((repo / "fanout.json").read_text())
+    memory = json.loads((repo / "results/memory/int8.json").read_text())
+    if retries:
+        assert "memory@int8" in report["ran"] and memory["status"] == "ok"
+    else:
+        assert report["failed"]["memory@int8"].startswith("its Ray task failed after the retries")
+        assert memory["status"] == "failed" and memory["error"].startswith("memory@int8: its Ray task failed")
+    assert not list((repo / "results/memory").glob(".*"))  # nothing half-written
+    rest = run([tool("dvc"), "repro"], repo)
+    assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
+    verdict = json.loads((repo / "results/compare.json").read_text())["variants"]["int8"]
+    assert (verdict["verdict"] == "fail") is (not retries)
+    assert "up to date" in run([tool("dvc"), "status"], repo).stdout
