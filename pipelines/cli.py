@@ -167,7 +167,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
     device = resolve_device(params.device)
     with logs.progress(total=1, desc=f"memory {args.variant} ({device})", bar_format="{desc}: {elapsed}") as bar:
         result = memory.measure_isolated(str(VARIANTS_DIR / args.variant), params.memory, device, args.inject_leak_bytes,
-                                         args.inject_leak_rounds)
+                                         args.inject_leak_rounds, params.gpus.shares())
         bar.update()
     if args.inject_leak_bytes:
         result["injected_leak"] = {"bytes_per_round": args.inject_leak_bytes, "rounds": args.inject_leak_rounds}
@@ -242,7 +242,8 @@ def cmd_baseline(args: argparse.Namespace) -> int:
     staged = FIDELITY_BASE.with_name(f".{FIDELITY_BASE.name}.new")  # in place only together with the records
     with logs.progress(total=1, desc="baseline fp16 (every look)", bar_format="{desc}: {elapsed}") as bar:
         done, error = run_isolated(evaluate.evaluate_variant,
-                                   (str(VARIANTS_DIR / BASELINE), plans, p, resolve_device(params.device), staged),
+                                   (str(VARIANTS_DIR / BASELINE), plans, p, resolve_device(params.device), staged, None, None,
+                                    params.gpus.shares()),
                                    p.timeout_seconds, f"evaluate {BASELINE}", logs.current_log_file)
         bar.update()
     result, items = done or ({"error": error}, [])
@@ -282,7 +283,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         device = resolve_device(params.device)
         done, error = run_isolated(evaluate.evaluate_variant,
                                    (str(VARIANTS_DIR / args.variant), plans, p, device, FIDELITY_BASE, baseline,
-                                    params.compare),
+                                    params.compare, params.gpus.shares()),
                                    p.timeout_seconds, f"evaluate {args.variant}", logs.current_log_file)
         bar.update()
     result, items = ({"variant": args.variant, "device": device, "batch_size": p.batch_size, "status": "failed",
