@@ -103,7 +103,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from pipelines.calibrate import BUILT_DIR
     from pipelines.io import write_json
     from pipelines.isolation import run_isolated
-    from pipelines.models import resolve_device, resolve_model
+    from pipelines.models import VARIANTS_DIR, resolve_device, resolve_model
     from pipelines.params import load_params
 
     params = load_params()
@@ -115,7 +115,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     device = resolve_device(params.device)
     with logs.progress(total=1, desc=f"quantize {args.variant} ({settings.method})", bar_format="{desc}: {elapsed}") as bar:
         done, error = run_isolated(quantize.quantize_variant,
-                                   (args.variant, settings, source, BUILT_DIR, device),
+                                   (args.variant, settings, source, BUILT_DIR, device, VARIANTS_DIR, params.gpus.shares()),
                                    params.quantize.timeout_seconds, f"quantize {args.variant}", logs.current_log_file)
         bar.update()
     manifest, timing = (quantize.record_failure(args.variant, settings, source, device, error), {}) if error else done

@@ -3,7 +3,6 @@ The sums, the per-device breakdown and the log lines are tested here; a real mul
 
 from __future__ import annotations
 
-
 from pipelines import memory
 
 MiB = 2**20

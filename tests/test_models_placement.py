@@ -156,6 +156,9 @@ def fake_gpus(monkeypatch):
         def eval(self):
             return self
 
+        def save_pretrained(self, out):
+            pass
+
     def fake_load(location, **kwargs):
         calls.append(kwargs)
         return Loaded()
@@ -193,3 +196,19 @@ def test_load_variant_refuses_an_impossible_budget_before_loading(variant, fake_
     with pytest.raises(QuantgateError, match=r"variant bnb-int8 needs .*4096 bytes.* allows .*cuda:0.*cuda:1"):
         models.load_variant(variant("bnb-int8"), "cuda", {0: 1000, 1: 1000})
     assert calls == []
+
+
+def test_int8_quantize_loads_the_base_model_across_gpus(fake_gpus, tmp_path):
+    from pipelines import quantize
+    from pipelines.models import ModelSource
+    from pipelines.params import VariantParams
+
+    calls = fake_gpus(2)
+    job = quantize.Job(ModelSource("local", str(tmp_path)), VariantParams(method="bnb-int8"), [], "cuda", 8,
+                       GpusParams(max_memory="10GiB").shares())
+    quantize._bnb_int8(job, tmp_path)
+    assert calls[0]["device_map"] == "sequential" and calls[0]["max_memory"] == {0: 10 * GiB, 1: 10 * GiB}
+    fake_gpus(1)
+    quantize._bnb_int8(quantize.Job(ModelSource("local", str(tmp_path)), VariantParams(method="bnb-int8"), [],
+                                    "cuda", 8), tmp_path)
+    assert calls[1]["device_map"] == "cuda" and "max_memory" not in calls[1]  # one GPU: as before
