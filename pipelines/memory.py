@@ -473,8 +473,9 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
         manifest = variant_manifest(variant_dir)
         # A first load imports the libraries and initialises kernels; the second one is the footprint.
         model, _ = load_variant(variant_dir, device, max_memory)
-        if device == "cuda":
-            probe.use_devices([int(d.split(":")[1]) for d in model_devices(model) if d.startswith("cuda:")])
+        gpus = [int(d.split(":")[1]) for d in model_devices(model) if d.startswith("cuda:")]
+        if device == "cuda" and gpus:  # read the GPUs the model occupies, not every visible one
+            probe.use_devices(gpus)
         del model
         probe.sync()
         probe.reset_peak()
