@@ -176,10 +176,13 @@ def gpu_totals() -> list[int]:
 
 
 def free_gpu_memory() -> dict[int, int]:
-    """accelerate's own figure for each visible GPU (free memory), what `device_map="auto"` fills."""
+    """accelerate's own figure for each visible GPU (free memory, what `device_map="auto"` fills), plus what this
+    process's caching allocator holds unused (a model loaded and dropped before leaves it reserved, not free)."""
+    import torch
     from accelerate.utils import get_max_memory
 
-    return {k: v for k, v in get_max_memory().items() if isinstance(k, int)}
+    return {k: v + torch.cuda.memory_reserved(k) - torch.cuda.memory_allocated(k)
+            for k, v in get_max_memory().items() if isinstance(k, int)}
 
 
 def weights_on_disk(location: str | Path) -> int:
