@@ -103,7 +103,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from pipelines.calibrate import BUILT_DIR
     from pipelines.io import write_json
     from pipelines.isolation import run_isolated
-    from pipelines.models import resolve_device, resolve_model
+    from pipelines.models import VARIANTS_DIR, resolve_device, resolve_model
     from pipelines.params import load_params
 
     params = load_params()
@@ -120,7 +120,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         return 0
     with logs.progress(total=1, desc=f"quantize {args.variant} ({settings.method})", bar_format="{desc}: {elapsed}") as bar:
         done, error = run_isolated(quantize.quantize_variant,
-                                   (args.variant, settings, source, BUILT_DIR, device),
+                                   (args.variant, settings, source, BUILT_DIR, device, VARIANTS_DIR, params.gpus.shares()),
                                    params.quantize.timeout_seconds, f"quantize {args.variant}", logs.current_log_file)
         bar.update()
     manifest, timing = (quantize.record_failure(args.variant, settings, source, device, error), {}) if error else done
@@ -182,7 +182,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         return 0
     with logs.progress(total=1, desc=f"memory {args.variant} ({device})", bar_format="{desc}: {elapsed}") as bar:
         result = memory.measure_isolated(str(VARIANTS_DIR / args.variant), params.memory, device, args.inject_leak_bytes,
-                                         args.inject_leak_rounds)
+                                         args.inject_leak_rounds, params.gpus.shares())
         bar.update()
     if args.inject_leak_bytes:
         result["injected_leak"] = {"bytes_per_round": args.inject_leak_bytes, "rounds": args.inject_leak_rounds}
@@ -257,7 +257,8 @@ def cmd_baseline(args: argparse.Namespace) -> int:
     staged = FIDELITY_BASE.with_name(f".{FIDELITY_BASE.name}.new")  # in place only together with the records
     with logs.progress(total=1, desc="baseline fp16 (every look)", bar_format="{desc}: {elapsed}") as bar:
         done, error = run_isolated(evaluate.evaluate_variant,
-                                   (str(VARIANTS_DIR / BASELINE), plans, p, resolve_device(params.device), staged),
+                                   (str(VARIANTS_DIR / BASELINE), plans, p, resolve_device(params.device), staged, None, None,
+                                    params.gpus.shares()),
                                    p.timeout_seconds, f"evaluate {BASELINE}", logs.current_log_file)
         bar.update()
     result, items = done or ({"error": error}, [])
@@ -304,7 +305,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         device = resolve_device(params.device)
         done, error = run_isolated(evaluate.evaluate_variant,
                                    (str(VARIANTS_DIR / args.variant), plans, p, device, FIDELITY_BASE, baseline,
-                                    params.compare),
+                                    params.compare, params.gpus.shares()),
                                    p.timeout_seconds, f"evaluate {args.variant}", logs.current_log_file)
         bar.update()
     result, items = ({"variant": args.variant, "device": device, "batch_size": p.batch_size, "status": "failed",

@@ -254,19 +254,21 @@ def fidelity_texts(domains: list[str], per_domain: int, probes: dict[str, dict])
 
 
 def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, fidelity_base: Path,
-                     baseline: dict[str, dict[str, bool]] | None = None, compare=None) -> tuple[dict, list[dict]]:
+                     baseline: dict[str, dict[str, bool]] | None = None, compare=None,
+                     max_memory: dict | None = None) -> tuple[dict, list[dict]]:
     """Probes (look by look) and fidelity for one model; a model that cannot load is recorded as failed.
 
     `p`: EvaluateParams. baseline=None means this model is the baseline: it answers every look and its
     next-token distributions are written to `fidelity_base`; a variant stops where its decision is made
     (`compare`: CompareParams, the rule's margin and alpha) and is compared against `fidelity_base`.
+    `max_memory`: `gpus.max_memory` parsed, for fp16 and int8 loading across GPUs (pipelines/models.py).
     """
     result: dict = {"variant": Path(variant_dir).name, "device": device, "batch_size": p.batch_size}
     domains = [d for d in plans if not standard_tasks.is_task_row(d)]
     fidelity_domains = list(dict.fromkeys(plan.get("domain", d) for d, plan in plans.items()))  # a task row's is its domain's
     try:
         check_items({d: plans[d]["probe"] for d in domains})
-        model, tokenizer = load_variant(variant_dir, device)
+        model, tokenizer = load_variant(variant_dir, device, max_memory)
         if tokenizer.pad_token is None:  # HFLM batches need one; say so rather than fail deep inside
             tokenizer.pad_token = tokenizer.eos_token
             result["note"] = "tokenizer had no pad token; eos is used for padding"

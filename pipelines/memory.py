@@ -31,7 +31,7 @@ from scipy import stats
 from pipelines import logs
 from pipelines.isolation import run_isolated
 from pipelines.memory_verdict import leak_verdict
-from pipelines.models import load_variant, variant_manifest
+from pipelines.models import load_variant, model_devices, variant_manifest
 from pipelines.params import MemoryParams
 
 log = logging.getLogger(__name__)
@@ -97,52 +97,132 @@ class CpuProbe:
         self._stop.set()
 
 
+DEVICE_SUMS = ("allocated", "reserved", "inactive_split", "peak_allocated", "peak_reserved", "process", "device_used",
+               "alloc_retries", "ooms")
+
+
+def combine_devices(per_device: dict[str, dict]) -> dict:
+    """One snapshot from each GPU's: every number summed over the devices (None where no device has it), and
+    the devices' own snapshots under `devices`. Peaks are summed too, so on several GPUs `peak_allocated` is
+    an upper bound of the simultaneous peak (each device's peak may fall at a different moment)."""
+    snap: dict = {}
+    for key in DEVICE_SUMS:
+        values = [d[key] for d in per_device.values() if d.get(key) is not None]
+        snap[key] = sum(values) if values else None
+    snap["peak_process"] = None
+    snap["devices"] = {name: dict(d) for name, d in per_device.items()}
+    return snap
+
+
 class CudaProbe:
-    """torch.cuda.memory_stats() plus NVML process and device memory."""
+    """torch.cuda.memory_stats() plus NVML process and device memory, on every GPU the model occupies.
+
+    `devices`: CUDA indices to read (default: every visible GPU; `measure` narrows it to the model's after the
+    first load). Each snapshot sums the devices and keeps each one's numbers under `devices`. `reader`
+    (index -> that device's snapshot) replaces torch and NVML, for tests without a GPU."""
 
     device = "cuda"
-    method = "torch.cuda.memory_stats (allocated/reserved/inactive split, peaks reset per phase) + NVML"
+    method = ("torch.cuda.memory_stats per device (allocated/reserved/inactive split, peaks reset per phase) + NVML, "
+              "summed over the devices the model occupies")
 
-    def __init__(self) -> None:
+    def __init__(self, devices: list[int] | None = None, reader=None) -> None:
         self.nvml = None
+        self.handles: dict[int, object] = {}
+        self.reader = reader or self._read_device
+        self.devices = list(range(torch.cuda.device_count())) if devices is None else list(devices)
+        if reader is not None:
+            return
         try:
             import pynvml
 
             pynvml.nvmlInit()
             self.nvml = pynvml
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
         except Exception:  # noqa: BLE001 - NVML is optional; the allocator numbers still stand
             log.debug("NVML unavailable", exc_info=True)
 
+    def use_devices(self, devices: list[int]) -> None:
+        """Read these CUDA indices from now on (the devices the loaded model occupies)."""
+        self.devices = sorted(devices)
+
     def reset_peak(self) -> None:
-        torch.cuda.reset_peak_memory_stats()
+        for index in self.devices:
+            torch.cuda.reset_peak_memory_stats(index)
 
     def sync(self) -> None:
         gc.collect()
-        torch.cuda.synchronize()
+        for index in self.devices:
+            torch.cuda.synchronize(index)
 
-    def _nvml(self) -> tuple[int | None, int | None]:
+    def _handle(self, index: int):
+        if index not in self.handles:
+            try:  # NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them for torch
+                nvml_index = torch.cuda._get_nvml_device_index(index)
+            except Exception:  # noqa: BLE001 - private helper; the plain index is right without the variable
+                nvml_index = index
+            self.handles[index] = self.nvml.nvmlDeviceGetHandleByIndex(nvml_index)
+        return self.handles[index]
+
+    def _nvml(self, index: int) -> tuple[int | None, int | None]:
         if self.nvml is None:
             return None, None
         import os
 
-        used = self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
-        procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        try:
+            handle = self._handle(index)
+            used = self.nvml.nvmlDeviceGetMemoryInfo(handle).used
+            procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception:  # noqa: BLE001 - NVML is optional; the allocator numbers still stand
+            log.debug("NVML failed for cuda:%d", index, exc_info=True)
+            return None, None
         mine = next((p.usedGpuMemory for p in procs if p.pid == os.getpid()), None)
         return mine, used
 
-    def snapshot(self) -> dict:
-        s = torch.cuda.memory_stats()
-        process, device_used = self._nvml()
+    def _read_device(self, index: int) -> dict:
+        s = torch.cuda.memory_stats(index)
+        process, device_used = self._nvml(index)
         return {"allocated": s.get("allocated_bytes.all.current", 0), "reserved": s.get("reserved_bytes.all.current", 0),
                 "inactive_split": s.get("inactive_split_bytes.all.current", 0),
                 "peak_allocated": s.get("allocated_bytes.all.peak", 0), "peak_reserved": s.get("reserved_bytes.all.peak", 0),
-                "peak_process": None, "process": process, "device_used": device_used,
+                "process": process, "device_used": device_used,
                 "alloc_retries": s.get("num_alloc_retries", 0), "ooms": s.get("num_ooms", 0)}
+
+    def snapshot(self) -> dict:
+        return combine_devices({f"cuda:{i}": self.reader(i) for i in self.devices})
 
     def close(self) -> None:
         if self.nvml is not None:
             self.nvml.nvmlShutdown()
+
+
+def device_breakdown(before: dict, after: dict, end: dict | None = None) -> dict[str, dict]:
+    """Per GPU: the load footprint (allocated after the load minus before), what it held after the load, and at
+    the end of the run (allocated, reserved, NVML process and device memory, allocator OOMs). {} on a CPU."""
+    out: dict[str, dict] = {}
+    for name, a in (after.get("devices") or {}).items():
+        b = (before.get("devices") or {}).get(name, {})
+        e = ((end or {}).get("devices") or {}).get(name, {})
+        out[name] = {"footprint_bytes": a["allocated"] - (b.get("allocated") or 0),
+                     "allocated_after_load": a["allocated"], "reserved_after_load": a["reserved"],
+                     "process_after_load": a.get("process"), "device_used_after_load": a.get("device_used"),
+                     "allocated_end": e.get("allocated"), "reserved_end": e.get("reserved"),
+                     "peak_allocated_last_phase": e.get("peak_allocated"), "ooms": e.get("ooms")}
+    return out
+
+
+def describe_devices(breakdown: dict[str, dict]) -> list[str]:
+    """One log line per GPU, and a total when there are several."""
+    def mib(n):
+        return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
+
+    lines = [f"{name}: load footprint {mib(d['footprint_bytes'])}, after load allocated "
+             f"{mib(d['allocated_after_load'])} reserved {mib(d['reserved_after_load'])} (NVML process "
+             f"{mib(d['process_after_load'])}, device used {mib(d['device_used_after_load'])}); end allocated "
+             f"{mib(d['allocated_end'])} reserved {mib(d['reserved_end'])}, OOMs {d['ooms']}"
+             for name, d in breakdown.items()]
+    if len(breakdown) > 1:
+        total = sum(d["footprint_bytes"] for d in breakdown.values())
+        lines.append(f"{len(breakdown)} GPUs ({', '.join(breakdown)}): load footprint {mib(total)} in all")
+    return lines
 
 
 def make_probe(device: str):
@@ -380,8 +460,11 @@ def soak(model, probe, p: MemoryParams, max_len: int, vocab: int, device: str, l
 
 
 def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0,
-            leak_rounds: int | None = None) -> dict:
-    """All phases for one variant, in this process; failures are recorded, never raised."""
+            leak_rounds: int | None = None, max_memory: dict | None = None) -> dict:
+    """All phases for one variant, in this process; failures are recorded, never raised.
+
+    `max_memory`: `gpus.max_memory` parsed (GpusParams.shares()), for variants that load across GPUs. On CUDA the
+    probe reads every GPU the model occupies, the totals are sums over them, and `devices` holds each one's."""
     torch.set_num_threads(p.threads)
     result: dict = {"variant": Path(variant_dir).name, "device": device, "status": "ok"}
     probe = make_probe(device)
@@ -389,13 +472,16 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
     try:
         manifest = variant_manifest(variant_dir)
         # A first load imports the libraries and initialises kernels; the second one is the footprint.
-        model, _ = load_variant(variant_dir, device)
+        model, _ = load_variant(variant_dir, device, max_memory)
+        gpus = [int(d.split(":")[1]) for d in model_devices(model) if d.startswith("cuda:")]
+        if device == "cuda" and gpus:  # read the GPUs the model occupies, not every visible one
+            probe.use_devices(gpus)
         del model
         probe.sync()
         probe.reset_peak()
         before = probe.snapshot()
         started = time.perf_counter()
-        model, _ = load_variant(variant_dir, device)
+        model, _ = load_variant(variant_dir, device, max_memory)
         probe.sync()
         after = probe.snapshot()
         # CUDA: what the allocator holds after the load. CPU: the tensor bytes, because safetensors maps
@@ -424,6 +510,10 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
         result["leak"] = leak_verdict(result["soak"], footprint, p)
         end = probe.snapshot()  # CUDA: OOMs the allocator hit and recovered from (a library caught and retried)
         result["allocator"] = {"ooms": end["ooms"], "alloc_retries": end["alloc_retries"]}
+        if "devices" in after:  # CUDA: what each GPU saw
+            result["devices"] = device_breakdown(before, after, end)
+            for line in describe_devices(result["devices"]):
+                log.info("memory %s: %s", result["variant"], line)
     except Exception as err:  # noqa: BLE001 - a variant that fails to load is that variant's result
         logging.getLogger().error("memory %s failed", variant_dir, exc_info=True)
         result.update({"status": "failed", "error": f"{type(err).__name__}: {err}"[:2000]})
@@ -433,11 +523,11 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
 
 
 def measure_isolated(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0,
-                     leak_rounds: int | None = None) -> dict:
+                     leak_rounds: int | None = None, max_memory: dict | None = None) -> dict:
     """`measure` in a fresh spawned process: no allocator state shared with the caller or other variants,
     and a worker that dies or runs past `memory.timeout_seconds` is that variant's recorded failure."""
     result, error = run_isolated(_measure_logged, (str(variant_dir), p, device, leak_bytes_per_round, leak_rounds,
-                                                   str(logs.current_log_file)),
+                                                   str(logs.current_log_file), max_memory),
                                  p.timeout_seconds, f"the process measuring {variant_dir}")
     if error:
         return {"variant": Path(variant_dir).name, "device": device, "status": "failed", "error": error}
@@ -445,6 +535,6 @@ def measure_isolated(variant_dir: str, p: MemoryParams, device: str, leak_bytes_
 
 
 def _measure_logged(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int,
-                    leak_rounds: int | None, log_file: str) -> dict:
+                    leak_rounds: int | None, log_file: str, max_memory: dict | None = None) -> dict:
     logs.setup(log_file=Path(log_file))
-    return measure(variant_dir, p, device, leak_bytes_per_round, leak_rounds)
+    return measure(variant_dir, p, device, leak_bytes_per_round, leak_rounds, max_memory)

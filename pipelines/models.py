@@ -88,10 +88,113 @@ def variant_manifest(variant_dir: str | Path) -> dict:
     return read_json(path)
 
 
-def load_variant(variant_dir: str | Path, device: str = "cpu"):
+# --------------------------------------------------------------------------------------------
+# Placement across GPUs (fp16 and int8; GPTQ and AWQ keep their backends' own placement)
+# --------------------------------------------------------------------------------------------
+
+SPREAD_METHODS = ("none", "bnb-int8")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def gpu_budget(shares: dict | None, totals: list[int]) -> dict[int, int] | None:
+    """{gpu index: bytes} from `gpus.max_memory` parsed (GpusParams.shares()) and each visible GPU's total memory.
+
+    None stays None (accelerate's own figure). A fraction is of that GPU's total; a GPU the setting names but torch
+    does not see is an error."""
+    if shares is None:
+        return None
+    if "all" in shares:
+        shares = {i: shares["all"] for i in range(len(totals))}
+    budget = {}
+    for index, share in shares.items():
+        if index >= len(totals):
+            raise QuantgateError(f"params.yaml: gpus.max_memory names GPU {index}, but torch sees "
+                                 f"{len(totals)} GPU(s) (indices 0-{len(totals) - 1})")
+        budget[index] = int(share * totals[index]) if isinstance(share, float) else int(share)
+    return budget
+
+
+def device_map_for(method: str, device: str, n_gpus: int, max_memory: dict[int, int] | None):
+    """(device_map, max_memory) for from_pretrained.
+
+    fp16 (`none`) and `bnb-int8` on CUDA with more than one visible GPU, or with `gpus.max_memory` set, spread
+    over the GPUs in layer order, filling GPU 0 first (`"sequential"`: a model that fits one GPU stays on GPU 0);
+    everything else (one GPU and no budget, a CPU, GPTQ, AWQ) loads on `device` as it always did."""
+    if method in SPREAD_METHODS and device == "cuda" and (n_gpus > 1 or max_memory is not None):
+        return "sequential", max_memory
+    return device, None
+
+
+def check_budget(model_bytes: int, max_memory: dict[int, int], what: str = "the model") -> None:
+    """A budget smaller than the weights cannot hold them: say so before anything is loaded."""
+    total = sum(max_memory.values())
+    if model_bytes > total:
+        per_gpu = ", ".join(f"cuda:{i} {_gib(b)}" for i, b in sorted(max_memory.items()))
+        raise QuantgateError(f"{what} needs {_gib(model_bytes)} ({model_bytes} bytes) for its weights, but "
+                             f"gpus.max_memory allows {_gib(total)} in all ({per_gpu}); raise it or use more GPUs")
+
+
+def plan_placement(model, max_memory: dict[int, int], dtype=None) -> dict[str, int]:
+    """Module -> GPU index for `model` (built on the meta device) within `max_memory` ({gpu index: bytes}).
+
+    accelerate's `infer_auto_device_map`, filling GPU 0 first, decoder layers kept whole; raises QuantgateError
+    naming the budget and the model's size when the weights cannot fit on the GPUs (no CPU or disk offload)."""
+    from accelerate.utils import compute_module_sizes, infer_auto_device_map
+
+    sizes = compute_module_sizes(model, dtype=dtype)
+    check_budget(sizes[""], max_memory)
+    no_split = list(getattr(model, "_no_split_modules", None) or [])
+    device_map = infer_auto_device_map(model, max_memory=dict(max_memory), no_split_module_classes=no_split,
+                                       dtype=dtype)
+    off = [name for name, d in device_map.items() if not isinstance(d, int)]
+    if off:  # the total fits but the pieces do not (a layer larger than any GPU's share, or the layer reserve)
+        per_gpu = ", ".join(f"cuda:{i} {_gib(b)}" for i, b in sorted(max_memory.items()))
+        raise QuantgateError(f"the model ({_gib(sizes[''])}) does not fit gpus.max_memory ({per_gpu}) layer by "
+                             f"layer: {off[0]} ({_gib(sizes[off[0]])}) finds no GPU with room; raise the shares")
+    return device_map
+
+
+def meta_model(location: str, dtype):
+    """The model's architecture on the meta device (no weights read, no memory used)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(location)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+    return model
+
+
+def gpu_totals() -> list[int]:
+    import torch
+
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+
+
+def free_gpu_memory() -> dict[int, int]:
+    """accelerate's own figure for each visible GPU (free memory, what `device_map="auto"` fills), plus what this
+    process's caching allocator holds unused (a model loaded and dropped before leaves it reserved, not free)."""
+    import torch
+    from accelerate.utils import get_max_memory
+
+    return {k: v + torch.cuda.memory_reserved(k) - torch.cuda.memory_allocated(k)
+            for k, v in get_max_memory().items() if isinstance(k, int)}
+
+
+def weights_on_disk(location: str | Path) -> int:
+    return sum(f.stat().st_size for f in Path(location).glob("*.safetensors"))
+
+
+def load_variant(variant_dir: str | Path, device: str = "cpu", max_memory: dict | None = None):
     """(model, tokenizer) for any variant or admitted candidate, in eval mode, on `device`.
 
-    Raises VariantFailed when the variant's quantization or validation failed, with the recorded error.
+    `max_memory`: `gpus.max_memory` parsed (GpusParams.shares()); on CUDA with more than one GPU, or with it set,
+    fp16 and int8 load across the GPUs (device_map_for). Raises VariantFailed when the variant's quantization or
+    validation failed, with the recorded error.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,15 +206,34 @@ def load_variant(variant_dir: str | Path, device: str = "cpu"):
         raise VariantFailed(f"variant {manifest.get('variant', variant_dir)} is not usable: {reasons}")
     method = manifest["method"]
     location = str(variant_dir)
+    device_map, budget = device, None
+    if device == "cuda" and method in SPREAD_METHODS:
+        import torch
+
+        totals = gpu_totals()
+        device_map, budget = device_map_for(method, device, torch.cuda.device_count(), gpu_budget(max_memory, totals))
+        if device_map != device and budget is not None:
+            check_budget(weights_on_disk(location), budget, f"variant {manifest.get('variant', Path(location).name)}")
     with library_output(method):
         if method == "gptq":  # transformers needs optimum for GPTQ; GPTQModel loads its own format
             from gptqmodel import GPTQModel
 
             model = GPTQModel.load(location, device=device, dtype=dtype_of(manifest["dtype"])).model
         elif method == "none":
-            model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype_of(manifest["dtype"]), device_map=device)
+            dtype = dtype_of(manifest["dtype"])
+            if device_map != device:  # across GPUs: the placement plan_placement makes (tested on the meta device)
+                device_map = plan_placement(meta_model(location, dtype), budget or free_gpu_memory(), dtype)
+            model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, device_map=device_map)
+        elif device_map != device:  # bnb-int8 across GPUs: transformers sizes the int8 layers itself
+            model = AutoModelForCausalLM.from_pretrained(location, device_map=device_map, max_memory=budget)
         else:  # bnb-int8 and awq: transformers reads quantization_config (AWQ runs on GPTQModel's kernels)
             model = AutoModelForCausalLM.from_pretrained(location, device_map=device)
         tokenizer = AutoTokenizer.from_pretrained(location)
     model.eval()
     return model, tokenizer
+
+
+def model_devices(model) -> list[str]:
+    """The devices a loaded model's weights sit on, e.g. ["cuda:0", "cuda:1"], in index order."""
+    devices = {str(t.device) for t in list(model.parameters()) + list(model.buffers())}
+    return sorted(devices, key=lambda d: (d.split(":")[0], int(d.split(":")[1]) if ":" in d else -1))

@@ -26,7 +26,7 @@ import torch
 from pipelines.errors import QuantgateError
 from pipelines.io import atomic_dir, sha256_file, write_json
 from pipelines.logs import library_output
-from pipelines.models import ModelSource, VARIANTS_DIR, dtype_of
+from pipelines.models import ModelSource, VARIANTS_DIR, device_map_for, dtype_of, gpu_budget
 from pipelines.calibrate import METHOD_DIR
 from pipelines.params import CALIBRATED_METHODS, VariantParams
 
@@ -45,6 +45,7 @@ class Job:
     calibration: list[str]
     device: str
     max_seq_len: int
+    max_memory: dict | None = None  # gpus.max_memory parsed: bnb-int8 loads the base model across GPUs with it
 
 
 def _fp16_baseline(job: Job, out: Path) -> None:
@@ -57,9 +58,16 @@ def _fp16_baseline(job: Job, out: Path) -> None:
 def _bnb_int8(job: Job, out: Path) -> None:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from pipelines.models import gpu_totals
+
+    device_map, budget = job.device, None
+    if job.device == "cuda":  # several GPUs (or a budget): across them, GPU 0 first (pipelines/models.py)
+        device_map, budget = device_map_for("bnb-int8", "cuda", torch.cuda.device_count(),
+                                            gpu_budget(job.max_memory, gpu_totals()))
+    spread = {"max_memory": budget} if device_map != job.device else {}
     model = AutoModelForCausalLM.from_pretrained(
         job.source.location, quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-        device_map=job.device, dtype=dtype_of(job.settings.dtype))
+        device_map=device_map, dtype=dtype_of(job.settings.dtype), **spread)
     model.save_pretrained(out)
 
 
@@ -189,7 +197,7 @@ def calibration_texts(built_dir: Path, method: str) -> tuple[list[str], str] | N
 
 
 def quantize_variant(name: str, settings: VariantParams, source: ModelSource, built_dir: Path, device: str,
-                     out_root: Path = VARIANTS_DIR) -> tuple[dict, dict]:
+                     out_root: Path = VARIANTS_DIR, max_memory: dict | None = None) -> tuple[dict, dict]:
     """Quantize one variant into out_root/name; on any error, a manifest that records the failure.
 
     Returns (manifest, timing). The manifest (quantgate.json, beside the weights) holds only what the same
@@ -204,7 +212,7 @@ def quantize_variant(name: str, settings: VariantParams, source: ModelSource, bu
     try:
         calibration = calibration_texts(built_dir, settings.method)
         max_positions = getattr(AutoConfig.from_pretrained(source.location), "max_position_embeddings", 2048)
-        job = Job(source, settings, calibration[0] if calibration else [], device, min(512, max_positions))
+        job = Job(source, settings, calibration[0] if calibration else [], device, min(512, max_positions), max_memory)
         if calibration:
             manifest["calibration"] = {"sha256": calibration[1], "samples": len(calibration[0])}
         with atomic_dir(out_dir) as tmp:
