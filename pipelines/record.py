@@ -71,9 +71,26 @@ def experiment_id(client: MlflowClient, name: str, artifact_root: Path | None) -
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
-    # the kind tag opens the experiment on MLflow 3's "Training runs" page instead of its GenAI overview
-    return client.create_experiment(name, artifact_location=artifact_root.resolve().as_uri() if artifact_root else None,
-                                    tags={"mlflow.experimentKind": "custom_model_development"})
+    try:  # the kind tag opens the experiment on MLflow 3's "Training runs" page instead of its GenAI overview
+        return client.create_experiment(name, artifact_location=artifact_root.resolve().as_uri() if artifact_root else None,
+                                        tags={"mlflow.experimentKind": "custom_model_development"})
+    except Exception:
+        # another pipeline recording into the same server made it between the lookup and here: use theirs
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def ensure_registered_model(client: MlflowClient, model_name: str) -> None:
+    """The registered model, made once; a concurrent recording that made it first is no error."""
+    if client.search_registered_models(f"name = '{model_name}'"):
+        return
+    try:
+        client.create_registered_model(model_name, description="quantgate: quantized variants that passed the gate")
+    except Exception:
+        if not client.search_registered_models(f"name = '{model_name}'"):
+            raise
 
 
 def served(tracking_uri: str) -> bool:
@@ -383,8 +400,7 @@ def register_passing(client: MlflowClient, model_name: str, report: dict, childr
                 CANDIDATE_ALIAS in client.get_registered_model(model_name).aliases:
             client.delete_registered_model_alias(model_name, CANDIDATE_ALIAS)
         return []
-    if not client.search_registered_models(f"name = '{model_name}'"):
-        client.create_registered_model(model_name, description="quantgate: quantized variants that passed the gate")
+    ensure_registered_model(client, model_name)
     footprint = {n: (report["variants"][n].get("memory") or {}).get("footprint_bytes") or 0 for n in passing}
     out = []
     for name in sorted(passing, key=lambda n: -footprint[n]):
