@@ -169,15 +169,18 @@ def test_record_gate_promote_fetch_and_the_ui_against_the_server(server, tmp_pat
 
 
 def test_two_pipelines_recording_at_the_same_time_both_end_complete(server, tmp_path):
-    """Separate workspaces, different results, one experiment and one registered model that neither made yet."""
+    """Separate workspaces, different results, one experiment and one registered model that neither made yet;
+    a third workspace holds a's results again (a copy) and records them at the same time: it waits for a's
+    recording and writes nothing."""
     uri = server["tracking_uri"]
     experiment, model = "concurrent", "quantgate-concurrent"
     a = workspace(tmp_path / "a", int8_lose=1, experiment=experiment, model=model)
     b = workspace(tmp_path / "b", int8_lose=2, experiment=experiment, model=model)
+    shutil.copytree(tmp_path / "a", tmp_path / "a-copy", symlinks=True)
     assert a["digest"] != b["digest"]
     client = MlflowClient(uri)
     began = time.time()
-    procs = [quantgate(tmp_path / "a", uri, "record"), quantgate(tmp_path / "b", uri, "record")]
+    procs = [quantgate(tmp_path / name, uri, "record") for name in ("a", "b", "a-copy")]
     outs = [finished(p) for p in procs]
     print(f"\ntwo concurrent records {time.time() - began:.1f} s")
     parents, children = parents_and_children(client, experiment)
@@ -191,10 +194,13 @@ def test_two_pipelines_recording_at_the_same_time_both_end_complete(server, tmp_
     assert all(client.get_run(v.run_id).data.tags["mlflow.parentRunId"] in children for v in versions)
     candidate = client.get_model_version_by_alias(model, "candidate")
     assert candidate.version in {v.version for v in versions}
-    # each recording's summary names its own parent run
-    for root in (tmp_path / "a", tmp_path / "b"):
-        summary = json.loads((root / "results/mlflow_run.json").read_text())
-        assert summary["status"] == "recorded" and summary["parent_run_id"] in children
+    # each recording's summary names its parent run; of a and its copy, one recorded and one found it recorded
+    summaries = {name: json.loads((tmp_path / name / "results/mlflow_run.json").read_text()) for name in ("a", "b", "a-copy")}
+    assert all(summary["parent_run_id"] in children for summary in summaries.values())
+    assert summaries["b"]["status"] == "recorded"
+    assert sorted(summaries[n]["status"] for n in ("a", "a-copy")) == ["already recorded", "recorded"], outs
+    assert summaries["a"]["parent_run_id"] == summaries["a-copy"]["parent_run_id"]
+    assert not client.search_registered_models("name LIKE 'quantgate-recording-%'")  # every lock released
 
 
 def test_clear_errors_from_the_script(server, tmp_path):
