@@ -194,8 +194,12 @@ def ensure_database(pg_port: int, creds: dict) -> None:
     except ImportError:
         raise Refused("the psycopg driver MLflow needs for PostgreSQL is missing: "
                       "pip install -c constraints.txt -e . (psycopg[binary])") from None
-    conn = psycopg.connect(host="127.0.0.1", port=pg_port, user=creds["superuser"],
-                           password=creds["superuser_password"], dbname="postgres", connect_timeout=10)
+    try:
+        conn = psycopg.connect(host="127.0.0.1", port=pg_port, user=creds["superuser"],
+                               password=creds["superuser_password"], dbname="postgres", connect_timeout=10)
+    except psycopg.Error as err:
+        raise Refused(f"could not connect to PostgreSQL on 127.0.0.1:{pg_port} as {creds['superuser']}: "
+                      f"{str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__}") from None
     conn.autocommit = True
     try:
         with conn.cursor() as cur:
@@ -332,6 +336,7 @@ def cmd_start(args) -> int:
 def cmd_stop(args) -> int:
     root = args.dir.resolve()
     state = read_state(root) or {}
+    ran = bool(state) or alive(postmaster_pid(root / "pg"))
     stop_mlflow(state.get("mlflow_pgid"))
     bin_dir = Path(state["postgres_bin"]) if state.get("postgres_bin") else None
     if bin_dir is None:
@@ -344,7 +349,7 @@ def cmd_stop(args) -> int:
     if left:
         raise Refused(f"still running after stop: pids {', '.join(map(str, left))}")
     (root / "server.json").unlink(missing_ok=True)
-    print(f"mlflow_server: stopped; nothing of {root} is running" if state else f"mlflow_server: nothing ran from {root}")
+    print(f"mlflow_server: stopped; nothing of {root} is running" if ran else f"mlflow_server: nothing ran from {root}")
     return 0
 
 

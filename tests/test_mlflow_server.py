@@ -182,7 +182,7 @@ def test_two_pipelines_recording_at_the_same_time_both_end_complete(server, tmp_
     began = time.time()
     procs = [quantgate(tmp_path / name, uri, "record") for name in ("a", "b", "a-copy")]
     outs = [finished(p) for p in procs]
-    print(f"\ntwo concurrent records {time.time() - began:.1f} s")
+    print(f"\nthree concurrent records {time.time() - began:.1f} s")
     parents, children = parents_and_children(client, experiment)
     assert sorted(p.data.tags["quantgate.results_digest"] for p in parents) == sorted([a["digest"], b["digest"]]), outs
     for parent in parents:
