@@ -540,9 +540,13 @@ def tracking_uri() -> str:
 
 
 def cmd_ui(args: argparse.Namespace) -> int:
-    """Start the MLflow UI on localhost over quantgate's tracking store."""
+    """Start the MLflow UI on localhost over quantgate's tracking store (a tracking server is its own UI)."""
+    uri = tracking_uri()
+    if uri.split(":", 1)[0] in ("http", "https"):
+        log.info("MLflow UI: MLFLOW_TRACKING_URI names a tracking server, which serves the UI itself: open %s", uri)
+        return 0
     mlflow = shutil.which("mlflow") or str(Path(sys.executable).with_name("mlflow"))
-    cmd = [mlflow, "ui", "--backend-store-uri", tracking_uri(), "--host", "127.0.0.1", "--port", str(args.port)]
+    cmd = [mlflow, "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(args.port)]
     log.info("MLflow UI on http://127.0.0.1:%d (Ctrl-C stops it)", args.port)
     return subprocess.call(cmd)
 

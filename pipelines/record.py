@@ -22,7 +22,10 @@ import json
 import os
 import posixpath
 import shutil
+import socket
 import tempfile
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +51,8 @@ MANIFEST = "quantgate.json"  # a variant folder's manifest (quantize.MANIFEST; r
 CHECKPOINT_PATH = "checkpoint"  # artifact folder of a passing variant's child run: the gated files
 CHECKPOINT_HASHES = "checkpoint.json"  # beside it: {"sha256": digest, "files": {name: sha256}}
 CHECKPOINT_TAG = "checkpoint.sha256"  # on the child run and the model version: checkpoint_digest(files)
+RECORDING_LOCK = "quantgate-recording-"  # + the digest's first 16 hex: a registered model that exists while one `record` runs
+LOCK_BEAT_S, LOCK_STALE_S, LOCK_POLL_S = 30.0, 300.0, 2.0  # holder's heartbeat; a lock not beaten that long is a dead holder's
 
 
 @contextlib.contextmanager
@@ -71,9 +76,79 @@ def experiment_id(client: MlflowClient, name: str, artifact_root: Path | None) -
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
-    # the kind tag opens the experiment on MLflow 3's "Training runs" page instead of its GenAI overview
-    return client.create_experiment(name, artifact_location=artifact_root.resolve().as_uri() if artifact_root else None,
-                                    tags={"mlflow.experimentKind": "custom_model_development"})
+    try:  # the kind tag opens the experiment on MLflow 3's "Training runs" page instead of its GenAI overview
+        return client.create_experiment(name, artifact_location=artifact_root.resolve().as_uri() if artifact_root else None,
+                                        tags={"mlflow.experimentKind": "custom_model_development"})
+    except Exception:
+        # another pipeline recording into the same server made it between the lookup and here: use theirs
+        found = client.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
+def ensure_registered_model(client: MlflowClient, model_name: str) -> None:
+    """The registered model, made once; a concurrent recording that made it first is no error."""
+    if client.search_registered_models(f"name = '{model_name}'"):
+        return
+    try:
+        client.create_registered_model(model_name, description="quantgate: quantized variants that passed the gate")
+    except Exception:
+        if not client.search_registered_models(f"name = '{model_name}'"):
+            raise
+
+
+@contextlib.contextmanager
+def recording_lock(client: MlflowClient, digest: str) -> Iterator[str]:
+    """One `record` of these results at a time, across every machine that shares the store.
+
+    Two recordings of the same results at once would each find no finished run and both write one (or the
+    second would take the first's unfinished run for a crashed one and delete it). The store's unique
+    registered-model names make the lock: whoever creates `quantgate-recording-<digest>` holds it, the
+    others wait; the holder beats a heartbeat tag and deletes it at the end. A lock whose heartbeat is older
+    than LOCK_STALE_S belongs to a process that died (killed mid-upload) and is taken over.
+    """
+    from mlflow.exceptions import MlflowException
+
+    name = RECORDING_LOCK + digest[:16]
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+    while True:
+        try:
+            client.create_registered_model(name, tags={"heartbeat": str(time.time()), "holder": holder},
+                                           description="quantgate: a `record` of these results is running (removed when it ends)")
+            break
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        try:
+            held = client.get_registered_model(name)
+        except MlflowException:
+            continue  # released in between: try again
+        try:
+            beat = float(held.tags.get("heartbeat", "0"))
+        except ValueError:
+            beat = 0.0
+        if time.time() - beat > LOCK_STALE_S:
+            with contextlib.suppress(MlflowException):
+                client.delete_registered_model(name)  # its holder stopped beating: it died
+            continue
+        time.sleep(LOCK_POLL_S)
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(LOCK_BEAT_S):
+            with contextlib.suppress(Exception):
+                client.set_registered_model_tag(name, "heartbeat", str(time.time()))
+
+    beating = threading.Thread(target=heartbeat, name="quantgate-record-lock", daemon=True)
+    beating.start()
+    try:
+        yield name
+    finally:
+        stop.set()
+        beating.join()
+        with contextlib.suppress(Exception):  # a store gone away: the lock goes stale and is taken over
+            client.delete_registered_model(name)
 
 
 def served(tracking_uri: str) -> bool:
@@ -246,6 +321,13 @@ def _record(client: MlflowClient, params: Params, digest: str, commit: dict, roo
     report = read_json(results / "compare.json")
     table = read_json(results / "routing_table.json")
     exp_id = experiment_id(client, params.mlflow.experiment, artifact_root)
+    with recording_lock(client, digest):
+        return _record_locked(client, params, digest, commit, root, exp_id, report, table)
+
+
+def _record_locked(client: MlflowClient, params: Params, digest: str, commit: dict, root: Path, exp_id: str,
+                   report: dict, table: dict) -> dict:
+    results = root / "results"
     recorded = find_recorded(client, exp_id, digest)
     # complete = finished and its passing variants registered (the tag is set last)
     # (a recording in an older format is replaced like a crashed one: its versions name no stored checkpoint)
@@ -383,8 +465,7 @@ def register_passing(client: MlflowClient, model_name: str, report: dict, childr
                 CANDIDATE_ALIAS in client.get_registered_model(model_name).aliases:
             client.delete_registered_model_alias(model_name, CANDIDATE_ALIAS)
         return []
-    if not client.search_registered_models(f"name = '{model_name}'"):
-        client.create_registered_model(model_name, description="quantgate: quantized variants that passed the gate")
+    ensure_registered_model(client, model_name)
     footprint = {n: (report["variants"][n].get("memory") or {}).get("footprint_bytes") or 0 for n in passing}
     out = []
     for name in sorted(passing, key=lambda n: -footprint[n]):

@@ -1,6 +1,7 @@
 """Check the MLflow UI in a real browser: the child runs and their metrics are there, side by side.
 
-Starts `mlflow server` on localhost over a tracking store, opens the experiment and the runs-comparison
+Starts `mlflow server` on localhost over a tracking store (or, given a server's http:// URI, uses that
+server's own UI), opens the experiment and the runs-comparison
 view in headless Chromium (Playwright driving the system's /usr/bin/chromium; nothing is downloaded),
 checks that every child run's name and the chosen metrics appear, and saves screenshots.
 
@@ -76,14 +77,17 @@ def check(tracking_uri: str, experiment: str, metrics: list[str], screenshot: Pa
         return ["no pipeline (parent) run recorded"]
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
     names = [r.info.run_name for r in children]
-    port = free_port()
-    server = start_server(tracking_uri, port, Path(tempfile.gettempdir()) / f"quantgate-mlflow-server-{port}.log")
+    if tracking_uri.split(":", 1)[0] in ("http", "https"):  # a tracking server is its own UI: open it
+        server, base = None, tracking_uri.rstrip("/")
+    else:
+        port = free_port()
+        server = start_server(tracking_uri, port, Path(tempfile.gettempdir()) / f"quantgate-mlflow-server-{port}.log")
+        base = f"http://127.0.0.1:{port}"
     missing = []
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
             page = browser.new_page(viewport={"width": 1600, "height": 1000})
-            base = f"http://127.0.0.1:{port}"
             page.goto(f"{base}/#/experiments/{exp.experiment_id}/runs", wait_until="load", timeout=120_000)
             page.get_by_text(parent.info.run_name).first.wait_for(timeout=60_000)
             close_assistant(page)
@@ -113,8 +117,9 @@ def check(tracking_uri: str, experiment: str, metrics: list[str], screenshot: Pa
             page.screenshot(path=str(screenshot), full_page=False)
             browser.close()
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=30)
+        if server is not None:
+            os.killpg(server.pid, 15)
+            server.wait(timeout=30)
     return missing
 
 
