@@ -106,7 +106,8 @@ def recording_lock(client: MlflowClient, digest: str) -> Iterator[str]:
     second would take the first's unfinished run for a crashed one and delete it). The store's unique
     registered-model names make the lock: whoever creates `quantgate-recording-<digest>` holds it, the
     others wait; the holder beats a heartbeat tag and deletes it at the end. A lock whose heartbeat is older
-    than LOCK_STALE_S belongs to a process that died (killed mid-upload) and is taken over.
+    than LOCK_STALE_S belongs to a process that died (killed mid-upload) and is taken over; so, at once, does
+    one whose holder ran on this machine and is gone.
     """
     from mlflow.exceptions import MlflowException
 
@@ -128,7 +129,7 @@ def recording_lock(client: MlflowClient, digest: str) -> Iterator[str]:
             beat = float(held.tags.get("heartbeat", "0"))
         except ValueError:
             beat = 0.0
-        if time.time() - beat > LOCK_STALE_S:
+        if time.time() - beat > LOCK_STALE_S or _dead_here(held.tags.get("holder", "")):
             with contextlib.suppress(MlflowException):
                 client.delete_registered_model(name)  # its holder stopped beating: it died
             continue
@@ -149,6 +150,14 @@ def recording_lock(client: MlflowClient, digest: str) -> Iterator[str]:
         beating.join()
         with contextlib.suppress(Exception):  # a store gone away: the lock goes stale and is taken over
             client.delete_registered_model(name)
+
+
+def _dead_here(holder: str) -> bool:
+    """The lock's holder ran on this machine and its process is gone (killed): no need to wait for staleness."""
+    import psutil
+
+    host, _, pid = holder.rpartition(":")
+    return host == socket.gethostname() and pid.isdigit() and not psutil.pid_exists(int(pid))
 
 
 def served(tracking_uri: str) -> bool:

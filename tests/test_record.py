@@ -449,3 +449,23 @@ def test_a_live_recording_lock_is_waited_for(tmp_path, monkeypatch):
     summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
                                      artifact_root=tmp_path / "artifacts")
     assert summary["status"] == "recorded" and time.time() - began >= 1.5
+
+
+def test_a_fresh_lock_of_a_dead_process_on_this_machine_is_taken_over_at_once(tmp_path):
+    """A `record` killed here (SIGKILL, a crash) leaves its lock beating-fresh: its pid is gone, so no 5-minute wait."""
+    import socket
+    import subprocess
+    import time
+
+    built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")}})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    MlflowClient(uri).create_registered_model(record.RECORDING_LOCK + built["digest"][:16],
+                                              tags={"heartbeat": str(time.time()),
+                                                    "holder": f"{socket.gethostname()}:{gone.pid}"})
+    began = time.time()
+    summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
+                                     artifact_root=tmp_path / "artifacts")
+    assert summary["status"] == "recorded" and time.time() - began < record.LOCK_STALE_S / 10
