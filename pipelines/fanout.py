@@ -62,15 +62,34 @@ def chain_stages(params) -> dict[str, Stage]:
     for name in params.candidates:
         stages[f"admit@{name}"] = Stage(f"admit@{name}", ["quantgate", "admit", name], name, "admit", quantize_t)
     made = {name: f"quantize@{name}" for name in params.variants} | {name: f"admit@{name}" for name in params.candidates}
+    suffix = {name: "" for name in params.variants} | {name: "-candidate" for name in params.candidates}  # dvc.yaml's
     for name, maker in made.items():
-        stages[f"memory@{name}"] = Stage(f"memory@{name}", ["quantgate", "memory", name], name, "memory", memory_t,
-                                         [maker])
+        stage = f"memory{suffix[name]}@{name}"
+        stages[stage] = Stage(stage, ["quantgate", "memory", name], name, "memory", memory_t, [maker])
     stages["baseline"] = Stage("baseline", ["quantgate", "baseline"], BASELINE, "baseline", evaluate_t,
                                [made[BASELINE]])
     for name, maker in made.items():
-        stages[f"evaluate@{name}"] = Stage(f"evaluate@{name}", ["quantgate", "evaluate", name], name, "evaluate",
-                                           evaluate_t, [maker, "baseline"])
+        stage = f"evaluate{suffix[name]}@{name}"
+        stages[stage] = Stage(stage, ["quantgate", "evaluate", name], name, "evaluate", evaluate_t, [maker, "baseline"])
     return stages
+
+
+def inputs_fingerprint(root: Path, params) -> dict[str, list[int]]:
+    """(size, mtime) of every file the chains read that a person could edit while they run: params.yaml, dvc.yaml,
+    the code, the probes, the calibration sets, the reference model and the candidates' folders. `dvc commit` records
+    the inputs as they are when it runs; if they changed since the tasks started, it would vouch for outputs made
+    from other inputs, so the fan-out refuses to commit instead."""
+    paths = [root / "params.yaml", root / "dvc.yaml", root / "pipelines", root / "eval", root / "calibration_sets",
+             root / "models" / "reference", *[(root / c.path) for c in params.candidates.values()]]
+    seen: dict[str, list[int]] = {}
+    for top in paths:
+        files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else []
+        for path in files:
+            if "__pycache__" in path.parts:
+                continue
+            st = path.stat()
+            seen[str(path)] = [st.st_size, st.st_mtime_ns]
+    return seen
 
 
 def stale(stages: dict[str, Stage], changed: set[str]) -> list[str]:
@@ -165,6 +184,7 @@ def run(root: Path, params, address: str | None, env: dict | None = None) -> dic
         raise QuantgateError("dvc repro calibrate failed: the chains need the reference model and calibration sets")
     stages = chain_stages(params)
     todo = stale(stages, dvc_changed(root))
+    before = inputs_fingerprint(root, params)
     report: dict = {"ran": {}, "failed": {}, "committed": [], "skipped_up_to_date": [s for s in stages if s not in todo]}
     if not todo:
         log.info("fanout: every chain stage is up to date")
@@ -197,6 +217,12 @@ def run(root: Path, params, address: str | None, env: dict | None = None) -> dic
         log.warning("fanout: %s FAILED (%s); recorded as %s's failure", name, result["error"], stage.variant)
         record_failure(root, stage, f"{name}: {result['error']}", env)
         report["failed"][name] = result["error"]
+    after = inputs_fingerprint(root, params)
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    if changed:
+        raise QuantgateError(f"{len(changed)} input file(s) changed while the fan-out ran (e.g. {changed[0]}): dvc.lock "
+                             "would vouch for outputs made from other inputs, so nothing was committed; run "
+                             "`quantgate fanout` again")
     committed = [name for name in todo if name in report["ran"] or name in report["failed"]]
     done = subprocess.run([dvc_bin(), "commit", "--force", *committed], cwd=root, env={**os.environ, **env},
                           capture_output=True, text=True)

@@ -24,14 +24,17 @@ def test_the_chain_stages_are_dvc_yamls_with_their_commands_and_order():
     params = Params(candidates={"vendor": {"path": "/nowhere"}})
     stages = fanout.chain_stages(params)
     dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    assert set(stages) == {f"{kind}@{item}" for kind in ("quantize", "memory", "evaluate") for item in params.variants} | {
+        "admit@vendor", "memory-candidate@vendor", "evaluate-candidate@vendor", "baseline"}
     for name, stage in stages.items():
         kind, _, item = name.partition("@")
+        assert kind in dvc, f"{name}: no such dvc.yaml stage"
         body = dvc[kind].get("do", dvc[kind])
         assert stage.argv == body["cmd"].replace("${key}", item).split(), name
     order = list(stages)
     for name, stage in stages.items():  # every stage comes after what it waits for
         assert all(order.index(up) < order.index(name) for up in stage.after), name
-    assert stages["evaluate@vendor"].after == ["admit@vendor", "baseline"]
+    assert stages["evaluate-candidate@vendor"].after == ["admit@vendor", "baseline"]
     assert stages["memory@int8"].timeout == params.memory.timeout_seconds + params.fanout.timeout_margin_seconds
 
 
@@ -233,3 +236,16 @@ def test_a_worker_killed_mid_task_is_retried_or_recorded_as_the_variants_failure
     verdict = json.loads((repo / "results/compare.json").read_text())["variants"]["int8"]
     assert (verdict["verdict"] == "fail") is (not retries)
     assert "up to date" in run([tool("dvc"), "status"], repo).stdout
+
+
+def test_inputs_edited_while_the_chains_run_are_noticed(tmp_path):
+    """dvc commit records the inputs as they are at the end: an edit meanwhile must stop the commit."""
+    (tmp_path / "params.yaml").write_text("a: 1\n")
+    (tmp_path / "eval" / "math").mkdir(parents=True)
+    (tmp_path / "eval" / "math" / "items.jsonl").write_text("{}\n")
+    params = Params()
+    before = fanout.inputs_fingerprint(tmp_path, params)
+    assert set(before) == {str(tmp_path / "params.yaml"), str(tmp_path / "eval/math/items.jsonl")}
+    assert fanout.inputs_fingerprint(tmp_path, params) == before
+    (tmp_path / "eval" / "math" / "items.jsonl").write_text('{"id": 1}\n')
+    assert fanout.inputs_fingerprint(tmp_path, params) != before

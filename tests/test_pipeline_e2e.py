@@ -38,8 +38,10 @@ def dvc(args, cwd):
                           capture_output=True, text=True, timeout=1800)
 
 
-SQL_RULE = {"patterns": {"statement": r"(?i)\b(select|insert|update|delete)\b[^;]*\b(from|into|set|where|as)\b"},
-            "when": "statement >= 1", "priority": 25}
+# a statement keyword and a line that ends a statement: "can you update me on where ..." stays chat
+SQL_RULE = {"patterns": {"statement": r"(?i)\b(select|insert\s+into|update|delete\s+from)\b",
+                         "terminator": r"(?m);\s*(--.*)?$"},
+            "when": "statement >= 1 and terminator >= 1", "priority": 25}
 
 
 def add_sql_request_type(repo: Path, params: dict) -> None:
