@@ -53,10 +53,10 @@ def add_sql_request_type(repo: Path, params: dict) -> None:
     rng = random.Random(7)
     (repo / "eval" / "sql").mkdir()
     items = []
-    for n in range(30):
+    for n in range(40):  # no `family`: each item is its own (four tens-digit families would leave t with 3 df)
         a, b = rng.randint(10, 49), rng.randint(10, 49)
         items.append({"id": f"sql-{n:03d}", "prompt": f"SELECT {a}+{b} AS total; -- total: {a}+{b}=",
-                      "answer": str(a + b), "family": f"tens-{a // 10}"})
+                      "answer": str(a + b)})
     (repo / "eval" / "sql" / "items.jsonl").write_text("".join(json.dumps(i) + "\n" for i in items))
     task = yaml.safe_load((repo / "eval" / "code_comment" / "quantgate_code_comment.yaml").read_text())
     task.update(task="quantgate_sql", dataset_kwargs={"data_files": {"test": "eval/sql/items.jsonl"}})
@@ -178,10 +178,9 @@ def test_evaluate_stage_per_variant(pipeline_run):
         counts = {d: r["items"] for d, r in result["probes"].items()}
         if variant == "fp16":  # the baseline answers every look: 40 items, in looks of 20, 30 and 40
             assert counts == {"math": 40, "code": 40 if sandbox.isolation_available() else 0, "chat": 40,
-                              "code_comment": 40, "sql": 30}
+                              "code_comment": 40, "sql": 40}
         else:  # a variant stops at the look that decided: 20, 30 or 40
-            assert all(n in ((20, 25, 30) if d == "sql" else (20, 30, 40)) for d, n in counts.items()
-                       if d != "code" or sandbox.isolation_available())
+            assert all(n in (20, 30, 40) for d, n in counts.items() if d != "code" or sandbox.isolation_available())
         items = [json.loads(line) for line in (repo / "results" / "eval" / variant / "items.jsonl").read_text().splitlines()]
         ids[variant] = {(i["task"], i["item_id"]): i["prompt_hash"] for i in items}
     for variant in ("int8", "awq4", "gptq3"):  # pairable by id, same prompts
@@ -199,7 +198,7 @@ def test_compare_and_route_stages(pipeline_run):
     report = json.loads((repo / "results" / "compare.json").read_text())
     pools = {d: len((repo / "eval" / d / "items.jsonl").read_text().splitlines()) for d in report["domains"]}
     assert report["plans"] == {**{d: {"pool": pools[d], "looks": [20, 30, 40]} for d in ("math", "code", "chat", "code_comment")},
-                               "sql": {"pool": 30, "looks": [20, 25, 30]}}
+                               "sql": {"pool": 40, "looks": [20, 30, 40]}}
     assert report["domains"] == ["math", "code", "chat", "code_comment", "sql"]  # declaration order
     assert set(report["variants"]) == {"int8", "awq4", "gptq3", "vendor-gptq"}
     for name, v in report["variants"].items():
