@@ -416,38 +416,40 @@ def test_through_a_tracking_server_the_checkpoint_lives_in_the_servers_store(tmp
     assert "config.json: sha256 " in capsys.readouterr().err
 
 
-def test_a_recording_lock_left_by_a_dead_process_is_taken_over(tmp_path, monkeypatch):
-    """record holds `quantgate-recording-<digest>` while it writes; one whose heartbeat stopped is a dead holder's."""
+def locked_workspace(tmp_path, holder: str, heartbeat: float) -> tuple[dict, str, str]:
+    """(recordable results, store uri, lock name) with that lock already held by `holder`."""
     built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
                                         "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
                                         "awq4": {d: correctness(N, 300, lose=60) for d in ("math", "code")}})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri)
     lock = record.RECORDING_LOCK + built["digest"][:16]
-    client.create_registered_model(lock, tags={"heartbeat": "1000.0", "holder": "gone:1"})
-    summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
-                                     artifact_root=tmp_path / "artifacts")
+    MlflowClient(uri).create_registered_model(lock, tags={"heartbeat": str(heartbeat), "holder": holder})
+    return built, uri, lock
+
+
+def record_into(built: dict, uri: str, tmp_path) -> dict:
+    return record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
+                                  artifact_root=tmp_path / "artifacts")
+
+
+def test_a_recording_lock_left_by_a_dead_process_is_taken_over(tmp_path, monkeypatch):
+    """record holds `quantgate-recording-<digest>` while it writes; one whose heartbeat stopped is a dead holder's."""
+    built, uri, _ = locked_workspace(tmp_path, "gone:1", 1000.0)
+    summary = record_into(built, uri, tmp_path)
     assert summary["status"] == "recorded"
-    assert [m.name for m in client.search_registered_models()] == ["quantgate-reference"]  # the lock is gone
+    assert [m.name for m in MlflowClient(uri).search_registered_models()] == ["quantgate-reference"]  # the lock is gone
 
 
 def test_a_live_recording_lock_is_waited_for(tmp_path, monkeypatch):
     import threading
     import time
 
-    built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
-                                        "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
-                                        "awq4": {d: correctness(N, 300, lose=60) for d in ("math", "code")}})
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    client = MlflowClient(uri)
-    lock = record.RECORDING_LOCK + built["digest"][:16]
-    client.create_registered_model(lock, tags={"heartbeat": str(time.time()), "holder": "other:1"})
+    built, uri, lock = locked_workspace(tmp_path, "other:1", time.time())
     monkeypatch.setattr(record, "LOCK_POLL_S", 0.1)
     released = threading.Timer(1.5, lambda: MlflowClient(uri).delete_registered_model(lock))
     began = time.time()
     released.start()
-    summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
-                                     artifact_root=tmp_path / "artifacts")
+    summary = record_into(built, uri, tmp_path)
     assert summary["status"] == "recorded" and time.time() - began >= 1.5
 
 
@@ -457,15 +459,9 @@ def test_a_fresh_lock_of_a_dead_process_on_this_machine_is_taken_over_at_once(tm
     import subprocess
     import time
 
-    built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
-                                        "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")}})
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     gone = subprocess.Popen(["true"])
     gone.wait()
-    MlflowClient(uri).create_registered_model(record.RECORDING_LOCK + built["digest"][:16],
-                                              tags={"heartbeat": str(time.time()),
-                                                    "holder": f"{socket.gethostname()}:{gone.pid}"})
+    built, uri, _ = locked_workspace(tmp_path, f"{socket.gethostname()}:{gone.pid}", time.time())
     began = time.time()
-    summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
-                                     artifact_root=tmp_path / "artifacts")
+    summary = record_into(built, uri, tmp_path)
     assert summary["status"] == "recorded" and time.time() - began < record.LOCK_STALE_S / 10
