@@ -55,10 +55,16 @@ def _code_lines(text: str) -> tuple[int, int]:
 _COMPARE = {ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b,
             ast.GtE: lambda a, b: a >= b, ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b}
 _CONSTANTS = {"true": True, "false": False}
+# Long enough for any rule a person writes (the shipped ones are under 100); short enough that the parser, and the
+# nested functions built from it, stay far from Python's recursion limit.
+MAX_WHEN_CHARS = 500
 
 
 def compile_when(text: str, names: set[str]) -> Callable[[Mapping[str, int]], object]:
     """A `when` expression as a function of the counts; ValueError naming what is not allowed."""
+    if len(text.strip()) > MAX_WHEN_CHARS:
+        raise ValueError(f"when {text[:60]!r}...: {len(text.strip())} characters, more than {MAX_WHEN_CHARS}; "
+                         "split it with named patterns")
     try:
         tree = ast.parse(text.strip(), mode="eval").body
     except SyntaxError as err:

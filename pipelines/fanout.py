@@ -5,10 +5,10 @@
     dvc repro                                  # what is left: memory-report, compare, route, record
 
 Ray schedules; quantgate only says what depends on what. Each stage of a chain runs as one Ray task that
-runs the stage's own `quantgate` command in a subprocess (so in its own process, exactly as `dvc repro`
-would run it), asking for the resources `fanout` in params.yaml gives its variant. The workspace must be
-one filesystem that every node sees (NFS or the like: docs/fanout.md): outputs land where `dvc repro`
-puts them, each written atomically by the stage itself. When every task has ended, `dvc commit` records
+runs the stage's own `quantgate` command in a subprocess (so in its own process, as `dvc repro` would run
+it, with the same thread count: see `stage_env`), asking for the resources `fanout` in params.yaml gives
+its variant. The workspace must be one filesystem that every node sees (NFS or the like: docs/fanout.md):
+outputs land where `dvc repro` puts them, each written atomically by the stage itself. When every task has ended, `dvc commit` records
 the stages that ran in dvc.lock, so `dvc status` is clean for them and the gate accepts their results.
 
 Faults: a task whose worker dies (a node lost, SIGKILL) is retried `fanout.retries` times by Ray; a stage
@@ -63,11 +63,13 @@ def chain_stages(params) -> dict[str, Stage]:
         stages[f"admit@{name}"] = Stage(f"admit@{name}", ["quantgate", "admit", name], name, "admit", quantize_t)
     made = {name: f"quantize@{name}" for name in params.variants} | {name: f"admit@{name}" for name in params.candidates}
     suffix = {name: "" for name in params.variants} | {name: "-candidate" for name in params.candidates}  # dvc.yaml's
+    # Submitted ahead of the memory stages, because every evaluate waits for it. Best effort: Ray keeps
+    # submission order only among tasks of the same resources.
+    stages["baseline"] = Stage("baseline", ["quantgate", "baseline"], BASELINE, "baseline", evaluate_t,
+                               [made[BASELINE]])
     for name, maker in made.items():
         stage = f"memory{suffix[name]}@{name}"
         stages[stage] = Stage(stage, ["quantgate", "memory", name], name, "memory", memory_t, [maker])
-    stages["baseline"] = Stage("baseline", ["quantgate", "baseline"], BASELINE, "baseline", evaluate_t,
-                               [made[BASELINE]])
     for name, maker in made.items():
         stage = f"evaluate{suffix[name]}@{name}"
         stages[stage] = Stage(stage, ["quantgate", "evaluate", name], name, "evaluate", evaluate_t, [maker, "baseline"])
@@ -130,6 +132,32 @@ def _die_with_parent() -> None:
         pass
 
 
+def thread_settings() -> dict[str, str]:
+    """The OpenMP settings every stage of a fan-out gets, taken where `quantgate fanout` runs.
+
+    - `OMP_NUM_THREADS`: this shell's, or none. A stage's thread count sets torch's float summation order,
+      and so can change a greedy answer; without it a stage uses torch's default, as under `dvc repro` from
+      the same shell, whatever Ray's task or `ray start` environment says (see `stage_env`).
+    - `OMP_WAIT_POLICY`: this shell's, else PASSIVE. Stages side by side share a node's cores, and an idle
+      OpenMP thread busy-waits (libgomp's default) on a core the next stage needs: two evaluates at once
+      took 166 s with the default, 87 s with PASSIVE (143 s one after the other; docs/fanout.md). The wait
+      policy changes no arithmetic."""
+    settings = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    if "OMP_NUM_THREADS" in os.environ:
+        settings["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    return settings
+
+
+def stage_env(env: dict) -> dict[str, str]:
+    """The stage's environment: this worker's, with the driver's `env` on top. Ray puts `OMP_NUM_THREADS` = the
+    task's CPUs into its workers (and `ray up` nodes start with 1); unless the driver set one, it is removed, so
+    the stage gets the thread count `dvc repro` would give it."""
+    out = {**os.environ, **env}
+    if "OMP_NUM_THREADS" not in env:
+        out.pop("OMP_NUM_THREADS", None)
+    return out
+
+
 def run_stage(root: str, stage: Stage, env: dict, *upstream) -> dict:
     """Run one stage's command in `root` (a Ray task's body). Never raises for the stage's own failure: returns
     what happened, so the driver records it. `upstream`: the results of the stages it waits for; if one of
@@ -138,7 +166,7 @@ def run_stage(root: str, stage: Stage, env: dict, *upstream) -> dict:
     if failed:
         return {"stage": stage.name, "ok": False, "upstream_failed": True, "error": f"{', '.join(failed)} failed first"}
     started = time.monotonic()
-    proc = subprocess.Popen(stage.argv, cwd=root, env={**os.environ, **env}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(stage.argv, cwd=root, env=stage_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             preexec_fn=_die_with_parent)
     try:
@@ -168,7 +196,7 @@ def record_failure(root: Path, stage: Stage, cause: str, env: dict) -> None:
     """The stage's own failure record (its command with --failed-because), written where its outputs go."""
     if stage.kind == "baseline":
         raise QuantgateError(f"the fp16 baseline could not be evaluated: {cause}")
-    done = subprocess.run([*stage.argv, "--failed-because", cause[:2000]], cwd=root, env={**os.environ, **env},
+    done = subprocess.run([*stage.argv, "--failed-because", cause[:2000]], cwd=root, env=stage_env(env),
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise QuantgateError(f"{stage.name}: could not record its failure ({done.stderr.strip()[-500:]})")
@@ -178,7 +206,8 @@ def run(root: Path, params, address: str | None, env: dict | None = None) -> dic
     """The whole fan-out; returns what ran where, what failed, and what was committed."""
     import ray
 
-    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **(env or {})}
+    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **thread_settings(),
+           **(env or {})}
     upstream = subprocess.run([dvc_bin(), "repro", "calibrate"], cwd=root, env={**os.environ, **env})
     if upstream.returncode != 0:
         raise QuantgateError("dvc repro calibrate failed: the chains need the reference model and calibration sets")

@@ -30,10 +30,18 @@ def test_when_expressions_evaluate_like_their_reading(when, counts, expected):
     ("'text' == a", "Constant is not allowed"),
     ("b > 1", "unknown name 'b'"),
     ("a >=", "not an expression"),
+    ("+".join(["a"] * 5000), "9999 characters, more than 500"),  # a RecursionError in the parser, before the limit
 ])
 def test_anything_else_is_refused_naming_it(when, error):
     with pytest.raises(ValueError, match=error):
         compile_when(when, {"a"})
+
+
+def test_the_longest_allowed_expression_compiles_and_evaluates():
+    longest = "+".join(["a"] * 249) + ">0"  # 248 levels of nested + on the left
+    assert len(longest) <= 500 and compile_when(longest, {"a"})({"a": 1}) is True
+    not_chain = "not " * 124 + "a"  # the deepest nesting that fits
+    assert compile_when(not_chain, {"a"})({"a": 1}) is True
 
 
 def rules(**specs):

@@ -35,6 +35,8 @@ def test_the_chain_stages_are_dvc_yamls_with_their_commands_and_order():
     for name, stage in stages.items():  # every stage comes after what it waits for
         assert all(order.index(up) < order.index(name) for up in stage.after), name
     assert stages["evaluate-candidate@vendor"].after == ["admit@vendor", "baseline"]
+    # submitted before any memory stage: every evaluate waits for it (Ray keeps the order within a resource shape)
+    assert all(order.index("baseline") < order.index(name) for name in order if name.startswith("memory"))
     assert stages["memory@int8"].timeout == params.memory.timeout_seconds + params.fanout.timeout_margin_seconds
 
 
@@ -68,6 +70,17 @@ def test_a_stage_past_its_timeout_is_killed_with_its_children(tmp_path):
     assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
 
 
+def test_a_stage_gets_the_thread_count_dvc_repro_would_give_it(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as Ray sets it in a 1-CPU task's worker
+    assert "OMP_NUM_THREADS" not in fanout.stage_env({"PATH": "/bin"})
+    assert fanout.stage_env({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"  # the driver's own setting wins
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert fanout.thread_settings() == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert fanout.thread_settings() == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
 def test_a_stage_waits_for_nothing_that_failed():
     stage = fanout.Stage("memory@int8", ["true"], "int8", "memory", 10, ["quantize@int8"])
     result = fanout.run_stage(".", stage, {}, {"stage": "quantize@int8", "ok": False, "error": "boom"})
@@ -91,8 +104,11 @@ def tool(name: str) -> str:
 
 def env() -> dict:
     out = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    out.pop("MLFLOW_TRACKING_URI", None)
+           "RAY_USAGE_STATS_ENABLED": "0",
+           # a ~/.ray/auth_token left by any local `ray.init()` turns on token auth for `ray start` only
+           "RAY_AUTH_MODE": "disabled"}
+    for name in ("MLFLOW_TRACKING_URI", "OMP_NUM_THREADS", "OMP_WAIT_POLICY"):  # the copies' own, not this shell's
+        out.pop(name, None)
     return out
 
 
@@ -193,8 +209,9 @@ def test_fanout_spreads_the_chains_over_both_nodes_and_dvc_records_them(sequenti
     assert gated.returncode in (0, 1), gated.stdout + gated.stderr  # decided: the gate accepts fanned-out results
 
 
-def kill_worker_of(stage_args: list[str], deadline: float) -> int:
-    """SIGKILL the Ray worker process running the stage whose command line is `quantgate <stage_args>`."""
+def kill_worker_of(stage_args: list[str], deadline: float) -> dict[str, str]:
+    """SIGKILL the Ray worker process running the stage whose command line is `quantgate <stage_args>`; returns
+    the stage process's environment."""
     needle = " ".join(["quantgate", *stage_args])
     while time.monotonic() < deadline:
         for proc in Path("/proc").iterdir():
@@ -203,9 +220,10 @@ def kill_worker_of(stage_args: list[str], deadline: float) -> int:
             try:
                 cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
                 if needle in cmdline and "fanout" not in cmdline:
+                    environ = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
                     parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
                     os.kill(parent, signal.SIGKILL)
-                    return parent
+                    return environ
             except (OSError, ValueError, IndexError):
                 continue
         time.sleep(0.2)
@@ -218,11 +236,14 @@ def test_a_worker_killed_mid_task_is_retried_or_recorded_as_the_variants_failure
     proc = subprocess.Popen([tool("quantgate"), "fanout", "--address", ray_cluster, "--report", "fanout.json"],
                             cwd=repo, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        kill_worker_of(["memory", "int8"], time.monotonic() + 900)
+        stage_env = kill_worker_of(["memory", "int8"], time.monotonic() + 900)
         output, _ = proc.communicate(timeout=1800)
     finally:
         proc.kill()
     assert proc.returncode == 0, output[-3000:]
+    # stages side by side on shared cores: idle OpenMP threads sleep; Ray's OMP_NUM_THREADS=1 for a 1-CPU task
+    # is not passed on, so the stage has `dvc repro`'s thread count
+    assert stage_env.get("OMP_WAIT_POLICY") == "PASSIVE" and "OMP_NUM_THREADS" not in stage_env
     report = json.loads((repo / "fanout.json").read_text())
     memory = json.loads((repo / "results/memory/int8.json").read_text())
     if retries:
