@@ -8,8 +8,9 @@ Ray schedules; quantgate only says what depends on what. Each stage of a chain r
 runs the stage's own `quantgate` command in a subprocess (so in its own process, as `dvc repro` would run
 it, with the same thread count: see `stage_env`), asking for the resources `fanout` in params.yaml gives
 its variant. The workspace must be one filesystem that every node sees (NFS or the like: docs/fanout.md):
-outputs land where `dvc repro` puts them, each written atomically by the stage itself. When every task has ended, `dvc commit` records
-the stages that ran in dvc.lock, so `dvc status` is clean for them and the gate accepts their results.
+outputs land where `dvc repro` puts them, each written atomically by the stage itself. When every task
+has ended, `dvc commit` records the stages that ran in dvc.lock, so `dvc status` is clean for them and the
+gate accepts their results.
 
 Faults: a task whose worker dies (a node lost, SIGKILL) is retried `fanout.retries` times by Ray; a stage
 command killed by its timeout (the stage's own timeout from params plus `fanout.timeout_margin_seconds`),
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 BASELINE = "fp16"
 PR_SET_PDEATHSIG = 1
+THREAD_COUNTS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch obeys both (MKL's wins)
 
 
 @dataclass
@@ -63,8 +65,8 @@ def chain_stages(params) -> dict[str, Stage]:
         stages[f"admit@{name}"] = Stage(f"admit@{name}", ["quantgate", "admit", name], name, "admit", quantize_t)
     made = {name: f"quantize@{name}" for name in params.variants} | {name: f"admit@{name}" for name in params.candidates}
     suffix = {name: "" for name in params.variants} | {name: "-candidate" for name in params.candidates}  # dvc.yaml's
-    # Submitted ahead of the memory stages, because every evaluate waits for it. Best effort: Ray keeps
-    # submission order only among tasks of the same resources.
+    # Submitted ahead of the memory stages, because every evaluate waits for it: best effort (Ray keeps
+    # submission order only among tasks of the same resources), and neutral on the default's stage times.
     stages["baseline"] = Stage("baseline", ["quantgate", "baseline"], BASELINE, "baseline", evaluate_t,
                                [made[BASELINE]])
     for name, maker in made.items():
@@ -135,27 +137,55 @@ def _die_with_parent() -> None:
 def thread_settings() -> dict[str, str]:
     """The OpenMP settings every stage of a fan-out gets, taken where `quantgate fanout` runs.
 
-    - `OMP_NUM_THREADS`: this shell's, or none. A stage's thread count sets torch's float summation order,
-      and so can change a greedy answer; without it a stage uses torch's default, as under `dvc repro` from
-      the same shell, whatever Ray's task or `ray start` environment says (see `stage_env`).
+    - `OMP_NUM_THREADS`, `MKL_NUM_THREADS`: this shell's, or none. A stage's thread count sets torch's float
+      summation order, and so can change a greedy answer; without them a stage uses torch's default, as under
+      `dvc repro` from the same shell, whatever Ray's task or `ray start` environment says (see `stage_env`).
     - `OMP_WAIT_POLICY`: this shell's, else PASSIVE. Stages side by side share a node's cores, and an idle
       OpenMP thread busy-waits (libgomp's default) on a core the next stage needs: two evaluates at once
       took 166 s with the default, 87 s with PASSIVE (143 s one after the other; docs/fanout.md). The wait
       policy changes no arithmetic."""
     settings = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    if "OMP_NUM_THREADS" in os.environ:
-        settings["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+    settings.update({name: os.environ[name] for name in THREAD_COUNTS if name in os.environ})
     return settings
 
 
-def stage_env(env: dict) -> dict[str, str]:
-    """The stage's environment: this worker's, with the driver's `env` on top. Ray puts `OMP_NUM_THREADS` = the
-    task's CPUs into its workers (and `ray up` nodes start with 1); unless the driver set one, it is removed, so
-    the stage gets the thread count `dvc repro` would give it."""
+def stage_env(env: dict, gpu_ids: list | None = None) -> dict[str, str]:
+    """The stage's environment: this worker's, with the driver's `env` on top.
+
+    Ray puts `OMP_NUM_THREADS` = the task's CPUs into its workers (`ray up` nodes start with 1, and a node may
+    set `MKL_NUM_THREADS`); unless the driver set them, they are removed, so the stage gets the thread count
+    `dvc repro` would give it. `gpu_ids`: the GPUs Ray gave the task (None outside Ray). A task given none sees
+    none: Ray 2.60 no longer hides a node's GPUs from it, and it would use GPUs that other tasks hold."""
     out = {**os.environ, **env}
-    if "OMP_NUM_THREADS" not in env:
-        out.pop("OMP_NUM_THREADS", None)
+    for name in THREAD_COUNTS:
+        if name not in env:
+            out.pop(name, None)
+    if gpu_ids is not None and not gpu_ids:
+        out["CUDA_VISIBLE_DEVICES"] = ""
     return out
+
+
+def check_gpus(params, variants: list[str], cluster_gpus: float) -> None:
+    """Refuse a fan-out whose stages would run on the CPU where `dvc repro` runs on CUDA: on a cluster with GPUs,
+    a task given no GPU sees none (`stage_env`), so a `device: auto` stage would fall back to the CPU and give
+    other answers than a GPU run."""
+    if params.device == "cpu" or not cluster_gpus:
+        return
+    without = [v for v in dict.fromkeys(variants) if not resources(params, v)["num_gpus"]]
+    if without:
+        raise QuantgateError(f"the cluster has {cluster_gpus:g} GPU(s), but fanout gives {', '.join(without)} none "
+                             "(fanout.gpus, fanout.per_variant in params.yaml): their stages would run on the CPU, "
+                             f"unlike `dvc repro` with device: {params.device}; give them GPUs, or set device: cpu")
+
+
+def _task_gpus() -> list | None:
+    """The GPUs Ray gave this task, or None outside a Ray task."""
+    try:
+        import ray
+
+        return list(ray.get_gpu_ids()) if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 - outside a worker: no assignment to honour
+        return None
 
 
 def run_stage(root: str, stage: Stage, env: dict, *upstream) -> dict:
@@ -166,9 +196,14 @@ def run_stage(root: str, stage: Stage, env: dict, *upstream) -> dict:
     if failed:
         return {"stage": stage.name, "ok": False, "upstream_failed": True, "error": f"{', '.join(failed)} failed first"}
     started = time.monotonic()
-    proc = subprocess.Popen(stage.argv, cwd=root, env=stage_env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=_die_with_parent)
+    try:
+        proc = subprocess.Popen(stage.argv, cwd=root, env=stage_env(env, _task_gpus()), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+    except OSError as err:  # no such workspace or `quantgate` on this node: the same path on every node (docs)
+        return {"stage": stage.name, "ok": False, "error": f"could not start {stage.argv[0]} in {root} on {_node()}: "
+                f"{err.strerror or err} (the workspace and the environment must be at the same path on every node)",
+                "seconds": 0.0, "node": _node(), "pid": os.getpid()}
     try:
         output, _ = proc.communicate(timeout=stage.timeout)
         error = None if proc.returncode == 0 else f"exited with status {proc.returncode}: {output.strip()[-1500:]}"
@@ -220,6 +255,7 @@ def run(root: Path, params, address: str | None, env: dict | None = None) -> dic
         return report
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     try:
+        check_gpus(params, [stages[name].variant for name in todo], ray.cluster_resources().get("GPU", 0))
         remote = ray.remote(max_retries=params.fanout.retries, retry_exceptions=False)(run_stage)
         refs: dict[str, object] = {}
         started = time.monotonic()

@@ -31,6 +31,7 @@ def test_when_expressions_evaluate_like_their_reading(when, counts, expected):
     ("b > 1", "unknown name 'b'"),
     ("a >=", "not an expression"),
     ("+".join(["a"] * 5000), "9999 characters, more than 500"),  # a RecursionError in the parser, before the limit
+    ("+".join(["a"] * 251), "501 characters, more than 500"),
 ])
 def test_anything_else_is_refused_naming_it(when, error):
     with pytest.raises(ValueError, match=error):

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from pipelines import fanout
+from pipelines.errors import QuantgateError
 from pipelines.params import Params
 from tests.conftest import ROOT
 
@@ -35,7 +36,7 @@ def test_the_chain_stages_are_dvc_yamls_with_their_commands_and_order():
     for name, stage in stages.items():  # every stage comes after what it waits for
         assert all(order.index(up) < order.index(name) for up in stage.after), name
     assert stages["evaluate-candidate@vendor"].after == ["admit@vendor", "baseline"]
-    # submitted before any memory stage: every evaluate waits for it (Ray keeps the order within a resource shape)
+    # submitted before any memory stage, as the docs say (best effort: Ray keeps the order within a resource shape)
     assert all(order.index("baseline") < order.index(name) for name in order if name.startswith("memory"))
     assert stages["memory@int8"].timeout == params.memory.timeout_seconds + params.fanout.timeout_margin_seconds
 
@@ -72,13 +73,36 @@ def test_a_stage_past_its_timeout_is_killed_with_its_children(tmp_path):
 
 def test_a_stage_gets_the_thread_count_dvc_repro_would_give_it(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as Ray sets it in a 1-CPU task's worker
-    assert "OMP_NUM_THREADS" not in fanout.stage_env({"PATH": "/bin"})
+    monkeypatch.setenv("MKL_NUM_THREADS", "1")  # as a node's own environment may
+    staged = fanout.stage_env({"PATH": "/bin"})
+    assert "OMP_NUM_THREADS" not in staged and "MKL_NUM_THREADS" not in staged
     assert fanout.stage_env({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"  # the driver's own setting wins
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert fanout.thread_settings() == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1"}
+    assert fanout.thread_settings() == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("MKL_NUM_THREADS")
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert fanout.thread_settings() == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_a_task_without_gpus_sees_none_and_a_gpu_cluster_needs_them_declared(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # Ray 2.60 leaves a node's GPUs visible to a 0-GPU task
+    assert fanout.stage_env({}, gpu_ids=[])["CUDA_VISIBLE_DEVICES"] == ""
+    assert fanout.stage_env({}, gpu_ids=["1"])["CUDA_VISIBLE_DEVICES"] == "0,1"  # Ray set it for the task's GPU
+    assert fanout.stage_env({}, gpu_ids=None)["CUDA_VISIBLE_DEVICES"] == "0,1"  # outside Ray: untouched
+    params = Params(fanout={"per_variant": {"fp16": {"cpus": 1, "gpus": 2}}})
+    with pytest.raises(QuantgateError, match=r"2 GPU\(s\), but fanout gives int8, awq4 none"):
+        fanout.check_gpus(params, ["fp16", "int8", "awq4", "int8"], cluster_gpus=2)
+    fanout.check_gpus(params, ["fp16"], cluster_gpus=2)  # every variant that runs has GPUs
+    fanout.check_gpus(params, ["int8"], cluster_gpus=0)  # a CPU cluster
+    fanout.check_gpus(Params(device="cpu"), ["int8"], cluster_gpus=2)  # CPU asked for, as under dvc repro
+
+
+def test_a_stage_that_cannot_start_on_its_node_is_a_failure_with_the_cause(tmp_path):
+    stage = fanout.Stage("memory@int8", ["no-such-quantgate"], "int8", "memory", 10)
+    result = fanout.run_stage(str(tmp_path), stage, {})
+    assert not result["ok"] and result["error"].startswith("could not start no-such-quantgate in ")
+    assert "same path on every node" in result["error"]
 
 
 def test_a_stage_waits_for_nothing_that_failed():
@@ -105,7 +129,7 @@ def tool(name: str) -> str:
 def env() -> dict:
     out = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "RAY_USAGE_STATS_ENABLED": "0",
-           # a ~/.ray/auth_token left by any local `ray.init()` turns on token auth for `ray start` only
+           # a ~/.ray/auth_token left by any local `ray.init()` turns on token auth for `ray start --head` only
            "RAY_AUTH_MODE": "disabled"}
     for name in ("MLFLOW_TRACKING_URI", "OMP_NUM_THREADS", "OMP_WAIT_POLICY"):  # the copies' own, not this shell's
         out.pop(name, None)
