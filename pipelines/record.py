@@ -297,7 +297,27 @@ def _dataset_inputs(paths: list[tuple[str, Path]], context: str) -> None:
         with warnings.catch_warnings():  # a local path matches two equivalent MLflow source types; it says so
             warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
             dataset = mlflow.data.from_pandas(frame, source=str(path), name=name, digest=digest[:36])
-        mlflow.log_input(dataset, context=context, tags={"sha256": digest, "rows": str(len(frame))})
+        _log_input(dataset, context, {"sha256": digest, "rows": str(len(frame))})
+
+
+DATASET_RACE = ("duplicate key value violates unique constraint", "UNIQUE constraint failed: datasets")
+
+
+def _log_input(dataset, context: str, tags: dict, attempts: int = 3) -> None:
+    """`mlflow.log_input`, again if it lost a race: two pipelines logging the same dataset at once (the same
+    calibration set) both find it missing and both insert it, and the second insert breaks the store's unique key
+    (seen on PostgreSQL in CI). The store rolls the losing call back whole, and by then the dataset exists, so
+    the next call only links it to this run."""
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(1, attempts + 1):
+        try:
+            mlflow.log_input(dataset, context=context, tags=tags)
+            return
+        except MlflowException as err:
+            if attempt == attempts or not any(text in str(err) for text in DATASET_RACE):
+                raise
+            time.sleep(0.5 * attempt)
 
 
 def _log_files(files: list[Path], artifact_path: str | None = None) -> None:

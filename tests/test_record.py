@@ -465,3 +465,39 @@ def test_a_fresh_lock_of_a_dead_process_on_this_machine_is_taken_over_at_once(tm
     began = time.time()
     summary = record_into(built, uri, tmp_path)
     assert summary["status"] == "recorded" and time.time() - began < record.LOCK_STALE_S / 10
+
+
+def test_a_dataset_logged_by_another_pipeline_at_the_same_moment_is_linked_not_lost(tmp_path, monkeypatch):
+    """Two recordings logging the same calibration set race in the store (both insert it); the loser's call is
+    rolled back whole and repeated, and its run gets the input once. Any other store error is not retried."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    monkeypatch.setattr(record.time, "sleep", lambda s: None)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    data = tmp_path / "code.jsonl"
+    data.write_text('{"id": "a", "text": "x = 1  # one"}\n')
+    real, calls = mlflow.log_input, []
+
+    def racing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # what the PostgreSQL store answered in CI
+            raise MlflowException('(psycopg.errors.UniqueViolation) duplicate key value violates unique constraint '
+                                  '"dataset_pk"')
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(record.mlflow, "log_input", racing)
+    with mlflow.start_run() as run:
+        record._dataset_inputs([("calibration-code", data)], "calibration")
+    inputs = mlflow.get_run(run.info.run_id).inputs.dataset_inputs
+    assert len(calls) == 2 and [i.dataset.name for i in inputs] == ["calibration-code"]
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise MlflowException("INVALID_PARAMETER_VALUE: something else")
+
+    monkeypatch.setattr(record.mlflow, "log_input", broken)
+    calls.clear()
+    with mlflow.start_run(), pytest.raises(MlflowException, match="something else"):
+        record._dataset_inputs([("calibration-code", data)], "calibration")
+    assert len(calls) == 1
