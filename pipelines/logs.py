@@ -96,19 +96,26 @@ class _LogWriter(io.TextIOBase):
     def __init__(self, logger: logging.Logger):
         self.logger = logger
         self.buffer = ""
+        self.emitting = False
 
     def write(self, text: str) -> int:
+        if self.emitting:  # a handler that writes to sys.stderr (logging not set up: Python's last resort) is us
+            return sys.__stderr__.write(text)
         self.buffer += text.replace("\r", "\n")
         *lines, self.buffer = self.buffer.split("\n")
-        for line in lines:
-            if line.strip():
-                self.logger.info(line.rstrip())
+        self.emitting = True
+        try:
+            for line in lines:
+                if line.strip():
+                    self.logger.info(line.rstrip())
+        finally:
+            self.emitting = False
         return len(text)
 
     def flush(self) -> None:
-        if self.buffer.strip():
-            self.logger.info(self.buffer.rstrip())
-        self.buffer = ""
+        if self.buffer.strip() and not self.emitting:
+            line, self.buffer = self.buffer.rstrip(), ""
+            self.write(line + "\n")
 
 
 @contextlib.contextmanager

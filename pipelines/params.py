@@ -229,6 +229,7 @@ class VariantParams(Section):
     zero_point: bool = True  # awq: asymmetric (zero point) quantization
     desc_act: bool = False  # gptq: activation-order column permutation
     damp_percent: float | None = Field(None, gt=0, lt=1)  # gptq: Hessian damping, share of its mean diagonal (None: GPTQModel's 0.05)
+    duo_scaling: bool | None = None  # awq (autoawq): scales from activations and weights (None: autoawq's True)
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"  # weights left unquantized
     backend: Literal["auto", "autoawq", "gptqmodel"] = "auto"
 
@@ -242,6 +243,11 @@ class VariantParams(Section):
             raise ValueError(f"backend 'gptqmodel' applies to awq and gptq, not {self.method}")
         if self.backend == "autoawq" and self.method != "awq":
             raise ValueError(f"backend 'autoawq' applies to awq, not {self.method}")
+        if self.duo_scaling is not None and self.method != "awq":
+            raise ValueError(f"duo_scaling applies to awq, not {self.method}")
+        if self.duo_scaling is False and self.backend == "gptqmodel":
+            raise ValueError("duo_scaling: false needs backend autoawq (or auto): GPTQModel 7.6's AWQ always scales by "
+                             "activations and weights")
         return self
 
 
@@ -260,7 +266,7 @@ class CandidateParams(Section):
 DEFAULT_VARIANTS = {
     "fp16": VariantParams(method="none", dtype="float16"),
     "int8": VariantParams(method="bnb-int8"),
-    "awq4": VariantParams(method="awq", bits=4, group_size=32),
+    "awq4": VariantParams(method="awq", bits=4, group_size=32, duo_scaling=False),
     "gptq3": VariantParams(method="gptq", bits=3, group_size=32, desc_act=True),
 }
 VARIANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,40}$")

@@ -84,10 +84,11 @@ def _awq(job: Job, out: Path) -> None:
     model = AutoAWQForCausalLM.from_pretrained(job.source.location, torch_dtype=dtype_of(s.dtype),
                                                device_map=job.device if job.device == "cuda" else None)
     tokenizer = AutoTokenizer.from_pretrained(job.source.location)
+    extra = {"duo_scaling": s.duo_scaling} if s.duo_scaling is not None else {}
     model.quantize(tokenizer, quant_config={"zero_point": s.zero_point, "q_group_size": s.group_size,
                                             "w_bit": s.bits, "version": "GEMM"},
                    calib_data=job.calibration, max_calib_samples=len(job.calibration),
-                   max_calib_seq_len=job.max_seq_len)
+                   max_calib_seq_len=job.max_seq_len, **extra)
     model.save_quantized(str(out))
 
 

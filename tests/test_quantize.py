@@ -110,3 +110,24 @@ def test_methods_without_calibration_need_none_and_time_goes_to_metrics(tmp_path
 def test_awq_rejects_bits_it_cannot_make():
     with pytest.raises(ValueError, match="method 'awq' takes bits 4, got 3"):
         VariantParams(method="awq", bits=3)
+
+
+def test_awq_duo_scaling_is_a_setting_autoawq_receives(tmp_path, tiny_model, tiny_variants, tiny_calibration):
+    """The default awq4 searches activation-only scales (duo_scaling: false); autoawq's own default gives other weights."""
+    from safetensors.torch import load_file
+
+    assert json.loads((tiny_variants["awq4"] / "quantgate.json").read_text())["settings"]["duo_scaling"] is False
+    settings = VariantParams(method="awq", bits=4, group_size=32, duo_scaling=True)
+    manifest, _ = quantize.quantize_variant("awq4", settings, ModelSource("local", str(tiny_model)), tiny_calibration,
+                                            "cpu", tmp_path)
+    assert manifest["status"] == "ok", manifest.get("error")
+    ours, duo = load_file(tiny_variants["awq4"] / "model.safetensors"), load_file(tmp_path / "awq4" / "model.safetensors")
+    assert ours.keys() == duo.keys()
+    assert any(not torch.equal(ours[k], duo[k]) for k in ours if k.endswith("scales"))
+
+
+def test_duo_scaling_belongs_to_autoawq():
+    with pytest.raises(ValueError, match="duo_scaling applies to awq, not gptq"):
+        VariantParams(method="gptq", bits=3, duo_scaling=False)
+    with pytest.raises(ValueError, match="needs backend autoawq"):
+        VariantParams(method="awq", bits=4, duo_scaling=False, backend="gptqmodel")
