@@ -2,8 +2,8 @@
 
     .venv/bin/python benchmarks/quantize_overhead.py [--repeats 2] [--methods fp16,int8,awq4,gptq3]
 
-Same model (params.yaml `model`), same calibration set (calibration_sets/built/mixed.jsonl), same
-settings. Prints seconds and the ratio quantgate / direct; the goal is a ratio under 1.10. Needs
+Same model (params.yaml `model`), same calibration set (calibration_sets/built/by_method/<method>.jsonl),
+same settings. Prints seconds and the ratio quantgate / direct; the goal is a ratio under 1.10. Needs
 `dvc repro calibrate` first. Runs each path `repeats` times, alternating, and keeps the fastest.
 """
 
@@ -42,13 +42,15 @@ def direct(method: str, s, base: str, texts: list[str], out: Path) -> None:
         model.quantize(AutoTokenizer.from_pretrained(base),
                        quant_config={"zero_point": s.zero_point, "q_group_size": s.group_size, "w_bit": s.bits,
                                      "version": "GEMM"},
-                       calib_data=texts, max_calib_samples=len(texts), max_calib_seq_len=256)
+                       calib_data=texts, max_calib_samples=len(texts), max_calib_seq_len=256,
+                       **({"duo_scaling": s.duo_scaling} if s.duo_scaling is not None else {}))
         model.save_quantized(str(out))
     else:
         from gptqmodel import GPTQModel, QuantizeConfig
 
+        extra = {"damp_percent": s.damp_percent} if s.damp_percent is not None else {}
         model = GPTQModel.load(base, QuantizeConfig(bits=s.bits, group_size=s.group_size, sym=s.sym,
-                                                    desc_act=s.desc_act), device="cpu", dtype=dtype_of(s.dtype))
+                                                    desc_act=s.desc_act, **extra), device="cpu", dtype=dtype_of(s.dtype))
         model.quantize(texts)
         model.save(str(out))
 
@@ -61,11 +63,11 @@ def main() -> None:
     logs.setup(log_file=Path("logs/benchmark.log"))
     params = load_params()
     source = resolve_model(params.model)
-    texts, _ = calibration_texts(BUILT)
-    print(f"model {source.location}, {len(texts)} calibration samples, best of {args.repeats}")
+    print(f"model {source.location}, best of {args.repeats}")
     print(f"{'variant':<8} {'direct s':>9} {'quantgate s':>12} {'ratio':>6}")
     for name in args.methods.split(","):
         s = params.variants[name]
+        texts = (calibration_texts(BUILT, s.method) or ([], None))[0]
         best = {"direct": float("inf"), "quantgate": float("inf")}
         for _ in range(args.repeats):
             with tempfile.TemporaryDirectory() as tmp:
@@ -74,7 +76,7 @@ def main() -> None:
                     direct(s.method, s, source.location, texts, Path(tmp) / "out")
                 best["direct"] = min(best["direct"], time.perf_counter() - t)
                 t = time.perf_counter()
-                manifest = quantize_variant(name, s, source, BUILT, "cpu", Path(tmp) / "qg")
+                manifest, _ = quantize_variant(name, s, source, BUILT, "cpu", Path(tmp) / "qg")
                 best["quantgate"] = min(best["quantgate"], time.perf_counter() - t)
                 assert manifest["status"] == "ok", manifest.get("error")
                 shutil.rmtree(tmp, ignore_errors=True)

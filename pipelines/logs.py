@@ -12,6 +12,7 @@ import io
 import logging
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,24 +97,25 @@ class _LogWriter(io.TextIOBase):
     def __init__(self, logger: logging.Logger):
         self.logger = logger
         self.buffer = ""
-        self.emitting = False
+        self.emitting = threading.local()  # set while this thread's logger call runs: a handler writing to
+        # the redirected sys.stderr (a library's logging.basicConfig() inside `library_output`) must not loop
 
     def write(self, text: str) -> int:
-        if self.emitting:  # a handler that writes to sys.stderr (logging not set up: Python's last resort) is us
-            return sys.__stderr__.write(text)
+        if getattr(self.emitting, "on", False):
+            return sys.__stderr__.write(text) if sys.__stderr__ else len(text)
         self.buffer += text.replace("\r", "\n")
         *lines, self.buffer = self.buffer.split("\n")
-        self.emitting = True
+        self.emitting.on = True
         try:
             for line in lines:
                 if line.strip():
                     self.logger.info(line.rstrip())
         finally:
-            self.emitting = False
+            self.emitting.on = False
         return len(text)
 
     def flush(self) -> None:
-        if self.buffer.strip() and not self.emitting:
+        if self.buffer.strip() and not getattr(self.emitting, "on", False):
             line, self.buffer = self.buffer.rstrip(), ""
             self.write(line + "\n")
 

@@ -266,8 +266,8 @@ class CandidateParams(Section):
 DEFAULT_VARIANTS = {
     "fp16": VariantParams(method="none", dtype="float16"),
     "int8": VariantParams(method="bnb-int8"),
-    "awq4": VariantParams(method="awq", bits=4, group_size=32, duo_scaling=False),
-    "gptq3": VariantParams(method="gptq", bits=3, group_size=32, desc_act=True),
+    "awq4": VariantParams(method="awq", bits=4, group_size=32, duo_scaling=False, backend="autoawq"),
+    "gptq3": VariantParams(method="gptq", bits=3, group_size=32, sym=False, desc_act=True, backend="gptqmodel"),
 }
 VARIANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,40}$")
 

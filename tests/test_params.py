@@ -9,7 +9,7 @@ import yaml
 
 from pipelines.errors import QuantgateError
 from pipelines.models import resolve_model
-from pipelines.params import load_params
+from pipelines.params import DEFAULT_VARIANTS, load_params
 
 
 def write(tmp_path, text: str):
@@ -22,6 +22,10 @@ def test_shipped_params_load_with_defaults():
     params = load_params("params.yaml")
     assert params.model == "reference"
     assert params.reference.hidden_size % 64 == 0 and params.reference.intermediate_size % 64 == 0
+
+
+def test_shipped_variants_are_the_defaults_the_tests_quantize():
+    assert load_params(Path("params.yaml")).variants == DEFAULT_VARIANTS
 
 
 def test_misspelled_key_names_key_and_line(tmp_path):

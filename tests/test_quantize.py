@@ -112,7 +112,25 @@ def test_awq_rejects_bits_it_cannot_make():
         VariantParams(method="awq", bits=3)
 
 
-def test_awq_duo_scaling_is_a_setting_autoawq_receives(tmp_path, tiny_model, tiny_variants, tiny_calibration):
+def test_awq_duo_scaling_is_passed_to_autoawq_as_set(monkeypatch, tmp_path, tiny_model, tiny_calibration):
+    from awq.models.base import BaseAWQForCausalLM
+
+    seen = []
+
+    def record_and_stop(self, tokenizer=None, quant_config=None, **kwargs):
+        seen.append(kwargs.get("duo_scaling", "autoawq's default"))
+        raise RuntimeError("stopped by the test")
+
+    monkeypatch.setattr(BaseAWQForCausalLM, "quantize", record_and_stop)
+    for n, value in enumerate((False, True, None)):
+        settings = VariantParams(method="awq", bits=4, group_size=32, duo_scaling=value)
+        manifest, _ = quantize.quantize_variant(f"awq{n}", settings, ModelSource("local", str(tiny_model)),
+                                                tiny_calibration, "cpu", tmp_path)
+        assert "stopped by the test" in manifest["error"]
+    assert seen == [False, True, "autoawq's default"]
+
+
+def test_awq_duo_scaling_changes_the_weights(tmp_path, tiny_model, tiny_variants, tiny_calibration):
     """The default awq4 searches activation-only scales (duo_scaling: false); autoawq's own default gives other weights."""
     from safetensors.torch import load_file
 
