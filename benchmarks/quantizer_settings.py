@@ -5,21 +5,22 @@
         '{"method": "gptq", "bits": 3, "group_size": 32, "sym": false, "desc_act": true, "damp_percent": 0.01}'
 
 Each argument is a variant's settings (params.yaml `variants.<name>`). Each is quantized by the quantize
-stage's own code from params.yaml's model and calibration set, then measured two ways:
-- fidelity against fp16 on the held-out fidelity texts (the baseline's record, `pipelines.fidelity.compare`);
-- per probe domain whose lm-eval task generates an answer (math, code, code_comment): the pool's items
-  answered greedily by fp16 and by the variant, lost / gained counted as exact matches with the task's target.
-  For code that is the canonical body, not the tests the evaluate stage runs, so it is a proxy (on the shipped
-  gptq3 it gives 15 lost / 2 gained where the pipeline's pass@1 gives 15 / 3).
-Choose on the fidelity texts: the probe pools are what the gate judges, and picking the setting the pool
-happens to like is tuning on the test items. Needs a finished `dvc repro` (models/, calibration_sets/built,
-results/baseline).
+stage's own code from params.yaml's model and calibration set, on params.yaml's device, then measured two ways:
+- fidelity against fp16: KL and same top-1 over every token of the baseline's fidelity texts (`pipelines.fidelity`;
+  `evaluate.fidelity_texts` items per domain, drawn from the probe pools across their families, prompt and answer);
+- per domain whose probe task generates an answer (math, code, code_comment here): the whole pool answered greedily
+  by fp16 and by the variant, lost / gained counted as exact matches with the task's target. For code that is the
+  canonical body, not the tests the evaluate stage runs: a proxy (on the shipped gptq3, 15 lost / 2 gained where
+  the pipeline's pass@1 gives 15 / 3).
+The lost/gained counts are the statistic the gate judges, on the same items: a setting chosen because it loses
+fewer of them is tuned on the test items. Prefer the fidelity columns (thousands of token-level comparisons).
+Needs a finished `dvc repro` (models/, calibration_sets/built, results/baseline). In-process: meant for settings
+of the project's own quantizers, not for untrusted checkpoints.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import sys
 import tempfile
 from pathlib import Path
@@ -30,8 +31,8 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from pipelines import fidelity, logs  # noqa: E402
-from pipelines.evaluate import probe_items  # noqa: E402
-from pipelines.models import load_variant, resolve_model  # noqa: E402
+from pipelines.evaluate import full_text, probe_items  # noqa: E402
+from pipelines.models import load_variant, resolve_device, resolve_model  # noqa: E402
 from pipelines.params import VariantParams, load_params  # noqa: E402
 from pipelines.quantize import quantize_variant  # noqa: E402
 
@@ -48,58 +49,73 @@ TaskLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
 
 
 def generated_tasks(params) -> dict[str, dict]:
-    """Domain -> (prompt field, target field, max new tokens) of the project's generate_until probe tasks."""
+    """Domain -> its probe task's prompt and target templates, token budget and stop strings, for the domains
+    whose probe task generates an answer from Jinja templates; the others are named and skipped."""
     out = {}
-    for name in params.requests:
-        task = yaml.load(next(Path("eval", name).glob("*.yaml")).read_text(encoding="utf-8"), Loader=TaskLoader)
-        if task.get("output_type") != "generate_until":
+    for name in params.evaluate.domains:
+        task_name = params.requests[name].probes.task
+        found = [t for t in (yaml.load(f.read_text(encoding="utf-8"), Loader=TaskLoader)
+                             for f in sorted(Path("eval", name).glob("*.yaml"))) if t and t.get("task") == task_name]
+        task = found[0] if found else {}
+        text, target = task.get("doc_to_text"), task.get("doc_to_target")
+        if task.get("output_type") != "generate_until" or not isinstance(text, str) or not isinstance(target, str):
+            print(f"{name}: no lost/gained count (task {task_name} in eval/{name}/ is not a generate_until task "
+                  "with doc_to_text and doc_to_target templates)", file=sys.stderr)
             continue
-        field = lambda template: re.fullmatch(r"\{\{\s*(\w+)\s*\}\}", template).group(1)  # noqa: E731
-        out[name] = {"prompt": field(task["doc_to_text"]), "target": field(task["doc_to_target"]),
-                     "max_new_tokens": task["generation_kwargs"]["max_gen_toks"]}
+        kwargs = task.get("generation_kwargs") or {}
+        out[name] = {"prompt": text, "target": target, "max_new_tokens": kwargs.get("max_gen_toks", 256),
+                     "until": list(kwargs.get("until") or [])}
     return out
 
 
 @torch.no_grad()
-def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int) -> list[str]:
-    """Each prompt's greedy completion up to </s> or a newline, spaces removed (the probes ignore spaces)."""
+def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, until: list[str]) -> list[str]:
+    """Each prompt's greedy completion, cut at the first stop string, spaces removed (the probes ignore spaces)."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side, answers = "left", []
     for start in range(0, len(prompts), 64):
         batch = tokenizer(prompts[start:start + 64], return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = batch.to(model.device)
         out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        answers += [tokenizer.decode(row).split("</s>")[0].split("\n")[0].replace(" ", "")
-                    for row in out[:, batch["input_ids"].shape[1]:]]
+        for row in out[:, batch["input_ids"].shape[1]:]:
+            text = tokenizer.decode(row, skip_special_tokens=True)
+            for stop in until:
+                text = text.split(stop)[0]
+            answers.append(text.replace(" ", ""))
     return answers
 
 
-def answers_of(variant_dir: Path, tasks: dict[str, dict], items: dict[str, list[dict]]) -> dict[str, list[str]]:
-    model, tokenizer = load_variant(variant_dir)
-    return {d: greedy(model, tokenizer, [i[t["prompt"]] for i in items[d]], t["max_new_tokens"]) for d, t in tasks.items()}
+def answers_of(variant_dir: Path, device: str, tasks: dict[str, dict], items: dict[str, list[dict]]) -> dict[str, list[str]]:
+    model, tokenizer = load_variant(variant_dir, device)
+    return {d: greedy(model, tokenizer, [full_text(t["prompt"], i) for i in items[d]], t["max_new_tokens"], t["until"])
+            for d, t in tasks.items()}
 
 
 def main() -> None:
     logs.setup(log_file=Path("logs/benchmark.log"))
     torch.manual_seed(0)
     params = load_params()
-    source = resolve_model(params.model)
+    source, device = resolve_model(params.model), resolve_device(params.device)
     tasks = generated_tasks(params)
     items = {d: probe_items(d) for d in tasks}
-    targets = {d: [str(i[t["target"]]).replace(" ", "") for i in items[d]] for d, t in tasks.items()}
-    base = answers_of(FP16, tasks, items)
+    targets = {d: [full_text(t["target"], i).replace(" ", "") for i in items[d]] for d, t in tasks.items()}
+    base = answers_of(FP16, device, tasks, items)
     record = fidelity.load_base(FIDELITY_BASE)
-    domains = list(params.requests)
+    domains = list(params.evaluate.domains)
     print("settings | " + " | ".join(f"{d}: KL mean, p99, same top-1" for d in domains) + " | "
           + " | ".join(f"{d}: lost/gained of {len(items[d])}" for d in tasks))
     for arg in sys.argv[1:]:
         settings = VariantParams(**json.loads(arg))
         with tempfile.TemporaryDirectory() as tmp:
-            manifest, _ = quantize_variant("trial", settings, source, BUILT, "cpu", Path(tmp))
+            manifest, _ = quantize_variant("trial", settings, source, BUILT, device, Path(tmp))
             if manifest["status"] != "ok":
                 print(f"{arg} | failed: {manifest.get('error')}", flush=True)
                 continue
-            model, _ = load_variant(Path(tmp) / "trial")
-            fid = fidelity.compare(model, record, domains, "cpu")
-            mine = answers_of(Path(tmp) / "trial", tasks, items)
+            model, _ = load_variant(Path(tmp) / "trial", device)
+            fid = fidelity.compare(model, record, domains, device)
+            del model
+            mine = answers_of(Path(tmp) / "trial", device, tasks, items)
         cells = [f"{fid[d]['kl']['mean']:.4f}, {fid[d]['kl']['p99']:.3f}, {fid[d]['same_top1']:.1%}" for d in domains]
         for d in tasks:
             pairs = list(zip(base[d], mine[d], targets[d]))

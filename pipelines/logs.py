@@ -134,6 +134,17 @@ def library_output(name: str) -> Iterator[None]:
         finally:
             writer.flush()
             quiet_libraries()  # a library imported inside may have added console handlers
+            _drop_handlers_on(writer)
+
+
+def _drop_handlers_on(stream) -> None:
+    """Remove logging handlers a library bound to `stream` (logging.basicConfig() while it was sys.stderr):
+    they would outlive the block and copy every later log line into it."""
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    for logger in loggers:
+        for handler in [h for h in logger.handlers if getattr(h, "stream", None) is stream]:
+            logger.removeHandler(handler)
 
 
 def progress(iterable=None, **kwargs):
