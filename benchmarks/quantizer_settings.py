@@ -86,8 +86,7 @@ def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, until: lis
     return answers
 
 
-def answers_of(variant_dir: Path, device: str, tasks: dict[str, dict], items: dict[str, list[dict]]) -> dict[str, list[str]]:
-    model, tokenizer = load_variant(variant_dir, device)
+def answers_of(model, tokenizer, tasks: dict[str, dict], items: dict[str, list[dict]]) -> dict[str, list[str]]:
     return {d: greedy(model, tokenizer, [full_text(t["prompt"], i) for i in items[d]], t["max_new_tokens"], t["until"])
             for d, t in tasks.items()}
 
@@ -100,7 +99,7 @@ def main() -> None:
     tasks = generated_tasks(params)
     items = {d: probe_items(d) for d in tasks}
     targets = {d: [full_text(t["target"], i).replace(" ", "") for i in items[d]] for d, t in tasks.items()}
-    base = answers_of(FP16, device, tasks, items)
+    base = answers_of(*load_variant(FP16, device), tasks, items)
     record = fidelity.load_base(FIDELITY_BASE)
     domains = list(params.evaluate.domains)
     print("settings | " + " | ".join(f"{d}: KL mean, p99, same top-1" for d in domains) + " | "
@@ -112,10 +111,10 @@ def main() -> None:
             if manifest["status"] != "ok":
                 print(f"{arg} | failed: {manifest.get('error')}", flush=True)
                 continue
-            model, _ = load_variant(Path(tmp) / "trial", device)
+            model, tokenizer = load_variant(Path(tmp) / "trial", device)
             fid = fidelity.compare(model, record, domains, device)
+            mine = answers_of(model, tokenizer, tasks, items)
             del model
-            mine = answers_of(Path(tmp) / "trial", device, tasks, items)
         cells = [f"{fid[d]['kl']['mean']:.4f}, {fid[d]['kl']['p99']:.3f}, {fid[d]['same_top1']:.1%}" for d in domains]
         for d in tasks:
             pairs = list(zip(base[d], mine[d], targets[d]))
