@@ -282,11 +282,27 @@ FUNCTIONS: dict[str, tuple[str, str, list, object]] = {
     "min": ("def at_most_{n}(x):", "return min(x, {n})", [0, 50, -3], lambda n, x: min(x, n)),
     "eq": ("def is_{n}(x):", "return x == {n}", [0, 7, 12, 30], lambda n, x: x == n),
     "repeat": ("def repeat_{n}(items):", "return items * {n}", [[1, 2], []], lambda n, x: x * n),
+    "gt": ("def above_{n}(x):", "return x > {n}", [0, 7, 12, 30, 50], lambda n, x: x > n),
+    "lt": ("def below_{n}(x):", "return x < {n}", [0, 7, 12, 30, 50], lambda n, x: x < n),
+    "ne": ("def is_not_{n}(x):", "return x != {n}", [0, 7, 12, 30], lambda n, x: x != n),
+    "drop": ("def skip_{n}(items):", "return items[{n}:]", [list(range(12)), [5, 4]], lambda n, x: x[n:]),
+    "nth": ("def item_{n}(items):", "return items[{n}]", [list(range(30)), list(range(30, 0, -1))],
+            lambda n, x: x[n]),
+    "twice": ("def twice_plus_{n}(x):", "return 2 * x + {n}", [0, 3, -5], lambda n, x: 2 * x + n),
+    "dist": ("def distance_to_{n}(x):", "return abs(x - {n})", [0, 50, -3], lambda n, x: abs(x - n)),
+    "shift": ("def shift_{n}(x):", "return x << {n}", [0, 1, 3], lambda n, x: x << n),
+    "mask": ("def mask_{n}(x):", "return x & {n}", [0, 7, 100, 255], lambda n, x: x & n),
+    "count": ("def count_{n}(items):", "return items.count({n})", [[1, 2, 2, 3], list(range(30)) * 2],
+              lambda n, x: x.count(n)),
+    "has": ("def has_{n}(items):", "return {n} in items", [[1, 2, 3], list(range(10, 30))], lambda n, x: n in x),
 }
 FUNCTION_RANGE = {"add": range(1, 100), "sub": range(1, 100), "mul": range(2, 31), "mod": range(2, 31),
                   "first": range(1, 21), "last": range(1, 21), "power": range(2, 7), "div": range(2, 31),
                   "rem": range(2, 31), "rsub": range(1, 60), "max": range(1, 40), "min": range(1, 40),
-                  "eq": range(0, 40), "repeat": range(2, 12)}
+                  "eq": range(0, 40), "repeat": range(2, 12), "gt": range(0, 40), "lt": range(0, 40),
+                  "ne": range(0, 40), "drop": range(1, 21), "nth": range(0, 25), "twice": range(1, 40),
+                  "dist": range(1, 40), "shift": range(1, 11), "mask": range(1, 40), "count": range(0, 20),
+                  "has": range(0, 40)}
 
 
 def function_cases() -> list[tuple[str, int]]:
@@ -350,7 +366,7 @@ def commented_function(template: str, n: int, phrasing: int, name: str) -> tuple
 
 def commented_function_cases(seed: int) -> list[tuple[str, int, int, str]]:
     """Every (template, n, phrasing, name) combination, in a seeded order."""
-    cases = [(t, n, p, name) for t in FUNCTIONS for n in FUNCTION_RANGE[t] for p in range(len(ZH_COMMENTS[t]))
+    cases = [(t, n, p, name) for t in ZH_COMMENTS for n in FUNCTION_RANGE[t] for p in range(len(ZH_COMMENTS[t]))
              for name in NEUTRAL_NAMES]
     random.Random(seed).shuffle(cases)
     return cases

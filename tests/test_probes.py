@@ -63,7 +63,7 @@ def test_code_comment_probes_need_the_comment_and_are_held_out():
     trained_pairs = {(t, n) for t, n, _, _ in trained}
     names = {line.split("(")[0][4:] for item in items for line in item["prompt"].splitlines()[:1]}
     assert names <= set(synthetic.NEUTRAL_NAMES)
-    assert {i["family"] for i in items} == {f"{t}-p{p}" for t in synthetic.FUNCTIONS for p in range(3)}
+    assert {i["family"] for i in items} == {f"{t}-p{p}" for t in synthetic.ZH_COMMENTS for p in range(3)}
     for item in items:
         assert (item["template"], item["n"]) not in trained_pairs
         assert str(item["n"]) in item["comment"] and str(item["n"]) in item["answer"] and item["prompt"].endswith("return")
