@@ -35,6 +35,7 @@ from pipelines.evaluate import full_text, probe_items  # noqa: E402
 from pipelines.models import load_variant, resolve_device, resolve_model  # noqa: E402
 from pipelines.params import VariantParams, load_params  # noqa: E402
 from pipelines.quantize import quantize_variant  # noqa: E402
+from pipelines.reference import greedy_completions  # noqa: E402
 
 BUILT = Path("calibration_sets/built")
 FP16 = Path("models/variants/fp16")
@@ -68,26 +69,13 @@ def generated_tasks(params) -> dict[str, dict]:
     return out
 
 
-@torch.no_grad()
-def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, until: list[str]) -> list[str]:
-    """Each prompt's greedy completion, cut at the first stop string, spaces removed (the probes ignore spaces)."""
+def answers_of(model, tokenizer, tasks: dict[str, dict], items: dict[str, list[dict]]) -> dict[str, list[str]]:
+    """Each generating domain's greedy completions, cut at the task's stop strings, spaces removed (the probes
+    ignore spaces)."""
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side, answers = "left", []
-    for start in range(0, len(prompts), 64):
-        batch = tokenizer(prompts[start:start + 64], return_tensors="pt", padding=True, add_special_tokens=False)
-        batch = batch.to(model.device)
-        out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-        for row in out[:, batch["input_ids"].shape[1]:]:
-            text = tokenizer.decode(row, skip_special_tokens=True)
-            for stop in until:
-                text = text.split(stop)[0]
-            answers.append(text.replace(" ", ""))
-    return answers
-
-
-def answers_of(model, tokenizer, tasks: dict[str, dict], items: dict[str, list[dict]]) -> dict[str, list[str]]:
-    return {d: greedy(model, tokenizer, [full_text(t["prompt"], i) for i in items[d]], t["max_new_tokens"], t["until"])
+    return {d: [c.replace(" ", "") for c in greedy_completions(model, tokenizer, [full_text(t["prompt"], i) for i in items[d]],
+                                                               t["max_new_tokens"], tuple(t["until"]))]
             for d, t in tasks.items()}
 
 

@@ -101,8 +101,14 @@ def decide(report: dict | None, fresh: dict | None, params: Params, changes: lis
     if report is None:
         result["reasons"].append("no comparison results (results/compare.json): run dvc repro")
         return result
-    if upstream_digest is None or report.get("dvc_lock_sha256") != upstream_digest:
-        result["reasons"].append("results/compare.json was not made from the results dvc.lock records: run dvc repro")
+    if upstream_digest is None:
+        result["reasons"].append("no dvc.lock: these results were not made by dvc repro; run dvc repro")
+        return result
+    if report.get("dvc_lock_sha256") != upstream_digest:
+        result["reasons"].append(
+            "results/compare.json was not made from the results dvc.lock records: a stage before compare re-ran on a "
+            "changed input and wrote the same outputs, so DVC did not judge again, or dvc.lock was committed by hand; "
+            "judge the recorded results again with: dvc repro --single-item --force compare && dvc repro")
         return result
     if list(report.get("domains") or []) != list(params.evaluate.domains):
         result["reasons"].append(f"compare.json judges domains {report.get('domains')}, params.yaml asks for "

@@ -11,7 +11,7 @@ import random
 from pipelines import synthetic
 
 PROBE_SEED = 2024
-POOL = 1000  # items per domain (math 2000; code: the 546 cases there are); the first look takes 200 (evaluate.look_items)
+POOL = 1000  # items per domain (math 2000; code: the 898 cases there are); the first look takes 200 (evaluate.look_items)
 
 
 def math_probes(seed: int = PROBE_SEED, count: int = 2 * POOL) -> list[dict]:
@@ -72,7 +72,7 @@ def chat_probes(seed: int = PROBE_SEED, count: int = POOL) -> list[dict]:
 
 def code_probes(seed: int = PROBE_SEED, count: int = POOL) -> list[dict]:
     """Complete a function body, run against unit tests: the reference model's held-out cases first,
-    then trained ones (`seen_in_training`) up to `count` (there are 546 cases in all)."""
+    then trained ones (`seen_in_training`) up to `count` (there are 898 cases in all)."""
     trained, held_out = synthetic.split_function_cases(0)  # the reference model's split (seed 0)
     extra = sorted(trained)
     random.Random(seed).shuffle(extra)

@@ -236,22 +236,31 @@ def train(model, encoded: list[list[int]], p: ReferenceParams, mask: torch.Tenso
 
 
 @torch.no_grad()
-def greedy_exact_match(model, tokenizer, pairs: list[tuple[str, str]], max_new_tokens: int, batch_size: int = 64) -> float:
-    """Share of prompts whose greedy completion, up to </s> or a newline, equals the answer (spaces ignored)."""
-    correct = 0
+def greedy_completions(model, tokenizer, prompts: list[str], max_new_tokens: int, until: tuple[str, ...] = ("\n",),
+                       batch_size: int = 64) -> list[str]:
+    """Each prompt's greedy completion, cut at </s> and at the first of `until` (left padding, restored after)."""
+    completions = []
     side, tokenizer.padding_side = tokenizer.padding_side, "left"
     try:
-        for start in range(0, len(pairs), batch_size):
-            chunk = pairs[start : start + batch_size]
-            batch = tokenizer([p for p, _ in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
+        for start in range(0, len(prompts), batch_size):
+            batch = tokenizer(prompts[start : start + batch_size], return_tensors="pt", padding=True,
+                              add_special_tokens=False).to(model.device)
             out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id)
-            for (_, want), row in zip(chunk, out[:, batch["input_ids"].shape[1] :]):
-                text = tokenizer.decode(row, skip_special_tokens=False).split("</s>")[0].split("\n")[0]
-                correct += text.replace(" ", "") == want.replace(" ", "")
+            for row in out[:, batch["input_ids"].shape[1] :]:
+                text = tokenizer.decode(row, skip_special_tokens=False)
+                for stop in (tokenizer.eos_token or "</s>", *until):
+                    text = text.split(stop)[0]
+                completions.append(text)
     finally:
         tokenizer.padding_side = side
-    return correct / len(pairs)
+    return completions
+
+
+def greedy_exact_match(model, tokenizer, pairs: list[tuple[str, str]], max_new_tokens: int, batch_size: int = 64) -> float:
+    """Share of prompts whose greedy completion, up to </s> or a newline, equals the answer (spaces ignored)."""
+    completions = greedy_completions(model, tokenizer, [p for p, _ in pairs], max_new_tokens, ("\n",), batch_size)
+    return sum(c.replace(" ", "") == want.replace(" ", "") for c, (_, want) in zip(completions, pairs)) / len(pairs)
 
 
 @torch.no_grad()

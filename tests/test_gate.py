@@ -245,8 +245,9 @@ def test_edited_per_item_records_after_dvc_commit_cannot_pass(repo):
     path.write_text(path.read_text().replace('"correct": false', '"correct": true'))
     dvc_commit_force(repo)
     code, result, _ = run_gate("--variant", "awq4")
-    assert code == 2 and result["reasons"] == ["results/compare.json was not made from the results dvc.lock records: "
-                                               "run dvc repro"]
+    assert code == 2 and len(result["reasons"]) == 1
+    assert result["reasons"][0].startswith("results/compare.json was not made from the results dvc.lock records")
+    assert result["reasons"][0].endswith("dvc repro --single-item --force compare && dvc repro")
 
 
 def record_run(repo, results):
@@ -354,3 +355,13 @@ def test_a_frozen_stage_cannot_be_vouched_for(repo):
     (repo / "models/variants/int8/model.safetensors").write_bytes(b"other weights")
     code, result, _ = run_gate("--variant", "int8")
     assert code == 2 and any("results: frozen" in r for r in result["reasons"])
+
+
+def test_results_without_a_dvc_lock_cannot_pass():
+    """No dvc.lock, so no record of what made compare.json: undecided, and the reason says so."""
+    from pipelines.gate import decide
+    from pipelines.params import Params
+
+    result = decide({"variants": {}}, {"variants": {}}, Params(), [], None)
+    assert result["verdict"] == "undecided"
+    assert result["reasons"] == ["no dvc.lock: these results were not made by dvc repro; run dvc repro"]

@@ -54,6 +54,8 @@ def test_skill_report_scores_a_perfect_and_a_wrong_answer(tiny_model):
     tok = AutoTokenizer.from_pretrained(tiny_model)
 
     class Oracle:
+        device = torch.device("cpu")
+
         def __init__(self, wrong: bool):
             self.wrong = wrong
 
