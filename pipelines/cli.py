@@ -322,7 +322,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     from pipelines import compare
     from pipelines.io import atomic_write_text, write_json
-    from pipelines.lineage import lock_digest
+    from pipelines.lineage import lock_digest, stage_digests
     from pipelines.models import VARIANTS_DIR
     from pipelines.params import load_params
     from pipelines.plots import PLOTS_DIR
@@ -332,6 +332,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     report = compare.compare_all(list(params.variants), list(params.candidates), plans, params.compare, RESULTS,
                                  VARIANTS_DIR)
     report["dvc_lock_sha256"] = lock_digest()  # what `gate` checks the results against
+    report["dvc_lock_stages"] = stage_digests()  # and, when they differ, names the stages that changed since
     write_json(compare.REPORT, report)
     atomic_write_text(RESULTS / "compare.csv", pd.DataFrame(compare.flat_rows(report)).to_csv(index=False))
     write_json(PLOTS_DIR / "differences.json",  # a DVC data plot: `dvc plots diff` across experiments
@@ -466,7 +467,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     report = fresh = table = None
     try:
         from pipelines import compare
-        from pipelines.lineage import git_commit, lock_digest, results_digest, workspace_changes
+        from pipelines.lineage import git_commit, lock_digest, results_digest, stage_digests, workspace_changes
         from pipelines.models import VARIANTS_DIR
         from pipelines.params import load_params
 
@@ -484,7 +485,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
             fresh = compare.compare_all(list(params.variants), list(params.candidates),
                                         compare.probe_plans(params.evaluate.domains, params.evaluate), params.compare,
                                         RESULTS, VARIANTS_DIR)
-        result = gate.decide(report, fresh, params, changes, lock_digest(), args.variant or None)
+        result = gate.decide(report, fresh, params, changes, lock_digest(), args.variant or None, stage_digests())
         digest = results_digest()
         result["results_digest"] = digest
         result["git"] = git_commit()

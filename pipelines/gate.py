@@ -82,12 +82,21 @@ def check_row(name: str, domain: str, row: dict | None, params: Params) -> tuple
     return "pass", []
 
 
+def rerun_command(judged: dict | None, now: dict | None) -> str:
+    """The `dvc repro` that makes results and verdicts agree again: the stages whose dvc.lock entry changed after
+    compare.json was made, forced, and every stage after them. Forced, because DVC cannot tell a stage that
+    re-ran to the same bytes from a hand-made `dvc commit -f`; re-running it makes its outputs true again."""
+    changed = [name for name, digest in (now or {}).items() if (judged or {}).get(name) != digest]
+    return f"dvc repro --force --downstream {' '.join(changed)}" if judged and changed else "dvc repro --force"
+
+
 def decide(report: dict | None, fresh: dict | None, params: Params, changes: list[str], upstream_digest: str | None,
-           gated: list[str] | None = None) -> dict:
+           gated: list[str] | None = None, upstream_stages: dict | None = None) -> dict:
     """The release verdict over the gated variants (default: every variant and candidate).
 
     report: compare.json as found; fresh: compare recomputed now from the workspace's files; changes: what
-    DVC's status says differs from dvc.lock. Anything stale or inconsistent is `undecided`, never `pass`.
+    DVC's status says differs from dvc.lock; upstream_digest/upstream_stages: dvc.lock's entries of the stages
+    before compare, now (lineage). Anything stale or inconsistent is `undecided`, never `pass`.
     """
     names = gated or [*[n for n in params.variants if n != BASELINE], *params.candidates]
     result = {"verdict": "undecided", "gated": names, "reasons": [], "variants": {}}
@@ -105,10 +114,11 @@ def decide(report: dict | None, fresh: dict | None, params: Params, changes: lis
         result["reasons"].append("no dvc.lock: these results were not made by dvc repro; run dvc repro")
         return result
     if report.get("dvc_lock_sha256") != upstream_digest:
+        command = rerun_command(report.get("dvc_lock_stages"), upstream_stages)
         result["reasons"].append(
             "results/compare.json was not made from the results dvc.lock records: a stage before compare re-ran on a "
             "changed input and wrote the same outputs, so DVC did not judge again, or dvc.lock was committed by hand; "
-            "judge the recorded results again with: dvc repro --single-item --force compare && dvc repro")
+            f"re-run what changed and everything after it: {command}")
         return result
     if list(report.get("domains") or []) != list(params.evaluate.domains):
         result["reasons"].append(f"compare.json judges domains {report.get('domains')}, params.yaml asks for "

@@ -20,13 +20,28 @@ JUDGING_STAGES = ("compare", "route", "record")  # stages that read the pipeline
 RECORDING_STAGES = ("record",)  # the stage that writes results elsewhere (MLflow)
 
 
-def lock_digest(lock_path: Path = Path("dvc.lock"), exclude: tuple[str, ...] = JUDGING_STAGES) -> str | None:
-    """sha256 of dvc.lock's entries for the stages that produced the results; None without a dvc.lock."""
+def _locked_entries(lock_path: Path, exclude: tuple[str, ...]) -> dict | None:
+    """dvc.lock's entries (deps, params, outs) by stage, without the excluded stages; None without a dvc.lock."""
     if not lock_path.is_file():
         return None
     lock = yaml.safe_load(lock_path.read_text(encoding="utf-8")) or {}
-    stages = {k: v for k, v in (lock.get("stages") or {}).items() if k.split("@")[0] not in exclude}
-    return hashlib.sha256(json.dumps(stages, sort_keys=True).encode()).hexdigest()
+    return {k: v for k, v in (lock.get("stages") or {}).items() if k.split("@")[0] not in exclude}
+
+
+def _sha256(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def lock_digest(lock_path: Path = Path("dvc.lock"), exclude: tuple[str, ...] = JUDGING_STAGES) -> str | None:
+    """sha256 of dvc.lock's entries for the stages that produced the results; None without a dvc.lock."""
+    stages = _locked_entries(lock_path, exclude)
+    return None if stages is None else _sha256(stages)
+
+
+def stage_digests(lock_path: Path = Path("dvc.lock")) -> dict[str, str] | None:
+    """sha256 of each of those entries, in dvc.lock's order: which stages changed after a comparison was made."""
+    stages = _locked_entries(lock_path, JUDGING_STAGES)
+    return None if stages is None else {name: _sha256(entry) for name, entry in stages.items()}
 
 
 def results_digest(lock_path: Path = Path("dvc.lock")) -> str | None:

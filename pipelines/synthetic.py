@@ -266,35 +266,46 @@ def traffic_sample(seed: int, count: int, bare_code: list[str], commented: list[
 # Small Python functions with unit tests (the code probes: completions are executed, pass@1)
 # --------------------------------------------------------------------------------------------
 
+# Test inputs that tell every number in a template's range from every other: a body that miscopies the
+# number (`x == 13` for `is_31`) fails its tests (tests/test_probes.py checks this for every pair).
+INTS = range(-3, 62)
+
+
+def _bit_lists(limit: int) -> list[list[int]]:
+    """Lists whose membership pattern spells each number below `limit` in binary: `n in items` on all of
+    them tells every n from every other."""
+    return [[v for v in range(limit) if v >> bit & 1] for bit in range(limit.bit_length())]
+
+
 # template -> (signature with {n}, body with {n}, test inputs, reference implementation)
-FUNCTIONS: dict[str, tuple[str, str, list, object]] = {
-    "add": ("def add_{n}(x):", "return x + {n}", [0, 3, -5], lambda n, x: x + n),
-    "sub": ("def sub_{n}(x):", "return x - {n}", [0, 40, -2], lambda n, x: x - n),
-    "mul": ("def mul_{n}(x):", "return x * {n}", [0, 2, -3], lambda n, x: x * n),
-    "mod": ("def is_multiple_of_{n}(x):", "return x % {n} == 0", [0, 7, 12, 30], lambda n, x: x % n == 0),
-    "first": ("def first_{n}(items):", "return items[:{n}]", [list(range(12)), [5, 4]], lambda n, x: x[:n]),
-    "last": ("def last_{n}(items):", "return items[-{n}:]", [list(range(12)), [5, 4, 3]], lambda n, x: x[-n:]),
-    "power": ("def power_{n}(x):", "return x ** {n}", [0, 2, 3], lambda n, x: x**n),
-    "div": ("def div_{n}(x):", "return x // {n}", [0, 7, 100, -9], lambda n, x: x // n),
-    "rem": ("def rem_{n}(x):", "return x % {n}", [0, 7, 100, 41], lambda n, x: x % n),
-    "rsub": ("def from_{n}(x):", "return {n} - x", [0, 3, -5], lambda n, x: n - x),
-    "max": ("def at_least_{n}(x):", "return max(x, {n})", [0, 50, -3], lambda n, x: max(x, n)),
-    "min": ("def at_most_{n}(x):", "return min(x, {n})", [0, 50, -3], lambda n, x: min(x, n)),
-    "eq": ("def is_{n}(x):", "return x == {n}", [0, 7, 12, 30], lambda n, x: x == n),
+FUNCTIONS: dict[str, tuple[str, str, object, object]] = {
+    "add": ("def add_{n}(x):", "return x + {n}", INTS, lambda n, x: x + n),
+    "sub": ("def sub_{n}(x):", "return x - {n}", INTS, lambda n, x: x - n),
+    "mul": ("def mul_{n}(x):", "return x * {n}", INTS, lambda n, x: x * n),
+    "mod": ("def is_multiple_of_{n}(x):", "return x % {n} == 0", INTS, lambda n, x: x % n == 0),
+    "first": ("def first_{n}(items):", "return items[:{n}]", [list(range(25)), [5, 4]], lambda n, x: x[:n]),
+    "last": ("def last_{n}(items):", "return items[-{n}:]", [list(range(25)), [5, 4, 3]], lambda n, x: x[-n:]),
+    "power": ("def power_{n}(x):", "return x ** {n}", INTS, lambda n, x: x**n),
+    "div": ("def div_{n}(x):", "return x // {n}", INTS, lambda n, x: x // n),
+    "rem": ("def rem_{n}(x):", "return x % {n}", INTS, lambda n, x: x % n),
+    "rsub": ("def from_{n}(x):", "return {n} - x", INTS, lambda n, x: n - x),
+    "max": ("def at_least_{n}(x):", "return max(x, {n})", INTS, lambda n, x: max(x, n)),
+    "min": ("def at_most_{n}(x):", "return min(x, {n})", INTS, lambda n, x: min(x, n)),
+    "eq": ("def is_{n}(x):", "return x == {n}", INTS, lambda n, x: x == n),
     "repeat": ("def repeat_{n}(items):", "return items * {n}", [[1, 2], []], lambda n, x: x * n),
-    "gt": ("def above_{n}(x):", "return x > {n}", [0, 7, 12, 30, 50], lambda n, x: x > n),
-    "lt": ("def below_{n}(x):", "return x < {n}", [0, 7, 12, 30, 50], lambda n, x: x < n),
-    "ne": ("def is_not_{n}(x):", "return x != {n}", [0, 7, 12, 30], lambda n, x: x != n),
-    "drop": ("def skip_{n}(items):", "return items[{n}:]", [list(range(12)), [5, 4]], lambda n, x: x[n:]),
+    "gt": ("def above_{n}(x):", "return x > {n}", INTS, lambda n, x: x > n),
+    "lt": ("def below_{n}(x):", "return x < {n}", INTS, lambda n, x: x < n),
+    "ne": ("def is_not_{n}(x):", "return x != {n}", INTS, lambda n, x: x != n),
+    "drop": ("def skip_{n}(items):", "return items[{n}:]", [list(range(25)), [5, 4]], lambda n, x: x[n:]),
     "nth": ("def item_{n}(items):", "return items[{n}]", [list(range(30)), list(range(30, 0, -1))],
             lambda n, x: x[n]),
-    "twice": ("def twice_plus_{n}(x):", "return 2 * x + {n}", [0, 3, -5], lambda n, x: 2 * x + n),
-    "dist": ("def distance_to_{n}(x):", "return abs(x - {n})", [0, 50, -3], lambda n, x: abs(x - n)),
-    "shift": ("def shift_{n}(x):", "return x << {n}", [0, 1, 3], lambda n, x: x << n),
-    "mask": ("def mask_{n}(x):", "return x & {n}", [0, 7, 100, 255], lambda n, x: x & n),
-    "count": ("def count_{n}(items):", "return items.count({n})", [[1, 2, 2, 3], list(range(30)) * 2],
+    "twice": ("def twice_plus_{n}(x):", "return 2 * x + {n}", INTS, lambda n, x: 2 * x + n),
+    "dist": ("def distance_to_{n}(x):", "return abs(x - {n})", INTS, lambda n, x: abs(x - n)),
+    "shift": ("def shift_{n}(x):", "return x << {n}", INTS, lambda n, x: x << n),
+    "mask": ("def mask_{n}(x):", "return x & {n}", INTS, lambda n, x: x & n),
+    "count": ("def count_{n}(items):", "return items.count({n})", [[1, 2, 2, 3], *_bit_lists(20)],
               lambda n, x: x.count(n)),
-    "has": ("def has_{n}(items):", "return {n} in items", [[1, 2, 3], list(range(10, 30))], lambda n, x: n in x),
+    "has": ("def has_{n}(items):", "return {n} in items", _bit_lists(40), lambda n, x: n in x),
 }
 FUNCTION_RANGE = {"add": range(1, 100), "sub": range(1, 100), "mul": range(2, 31), "mod": range(2, 31),
                   "first": range(1, 21), "last": range(1, 21), "power": range(2, 7), "div": range(2, 31),
@@ -323,9 +334,12 @@ def function_source(template: str, n: int) -> str:
 
 
 def function_tests(template: str, n: int) -> str:
-    """Assertions computed from the reference implementation, not from the body text."""
+    """Assertions computed from the reference implementation, not from the body text; a range of numbers is
+    checked in one assertion."""
     signature, _, inputs, impl = FUNCTIONS[template]
     name = signature.format(n=n)[4:].split("(")[0]
+    if isinstance(inputs, range):
+        return f"assert [{name}(x) for x in {inputs!r}] == {[impl(n, x) for x in inputs]!r}\n"
     return "".join(f"assert {name}({x!r}) == {impl(n, x)!r}\n" for x in inputs)
 
 

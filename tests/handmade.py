@@ -157,6 +157,7 @@ def rerun_compare(root: Path) -> tuple[dict, dict]:
     write_json(root / "results/routing_table.json", {})
     dvc_commit(root)
     report["dvc_lock_sha256"] = digest = lineage.lock_digest(root / "dvc.lock")
+    report["dvc_lock_stages"] = lineage.stage_digests(root / "dvc.lock")
     write_json(root / "results/compare.json", report)
     table = route.build_table(report, params.route.context_buckets, params.compare.policy_for, root / "models/variants",
                               digest)

@@ -247,7 +247,9 @@ def test_edited_per_item_records_after_dvc_commit_cannot_pass(repo):
     code, result, _ = run_gate("--variant", "awq4")
     assert code == 2 and len(result["reasons"]) == 1
     assert result["reasons"][0].startswith("results/compare.json was not made from the results dvc.lock records")
-    assert result["reasons"][0].endswith("dvc repro --single-item --force compare && dvc repro")
+    # the stage whose outputs were edited, forced: re-running it writes the records the model really gives
+    assert result["reasons"][0].endswith("re-run what changed and everything after it: "
+                                         "dvc repro --force --downstream results")
 
 
 def record_run(repo, results):
@@ -365,3 +367,13 @@ def test_results_without_a_dvc_lock_cannot_pass():
     result = decide({"variants": {}}, {"variants": {}}, Params(), [], None)
     assert result["verdict"] == "undecided"
     assert result["reasons"] == ["no dvc.lock: these results were not made by dvc repro; run dvc repro"]
+
+
+def test_the_rerun_names_the_stages_that_changed_after_the_comparison():
+    from pipelines.gate import rerun_command
+
+    judged = {"reference": "a", "evaluate@int8": "b", "evaluate@awq4": "c"}
+    now = {"reference": "a", "evaluate@int8": "B", "evaluate@awq4": "C", "evaluate@gptq3": "d"}
+    assert rerun_command(judged, now) == "dvc repro --force --downstream evaluate@int8 evaluate@awq4 evaluate@gptq3"
+    assert rerun_command(None, now) == "dvc repro --force"  # a compare.json from before it named its stages
+    assert rerun_command(judged, {"reference": "a"}) == "dvc repro --force"  # only a stage gone: judge all again

@@ -218,6 +218,8 @@ def test_compare_and_route_stages(pipeline_run):
         assert row["cost_bytes"]["serve"] <= row["cost_bytes"]["fp16"]
         assert row["serve"] == "fp16" or report["variants"][row["serve"]]["domains"][row["domain"]]["verdict"] == "pass"
     assert table["dvc_lock_sha256"] == lineage.lock_digest(repo / "dvc.lock")  # DVC wrote the upstream stages first
+    assert report["dvc_lock_stages"] == lineage.stage_digests(repo / "dvc.lock")
+    assert {"reference", "calibrate", "evaluate@fp16"} <= set(report["dvc_lock_stages"]) and "compare" not in report["dvc_lock_stages"]
     assert (repo / "results" / "routing_table.yaml").is_file()
     assert all((repo / "results" / "plots" / f"{p}.png").is_file() for p in ("pareto", "flips", "kl_percentiles"))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}

@@ -67,3 +67,19 @@ def test_code_comment_probes_need_the_comment_and_are_held_out():
     for item in items:
         assert (item["template"], item["n"]) not in trained_pairs
         assert str(item["n"]) in item["comment"] and str(item["n"]) in item["answer"] and item["prompt"].endswith("return")
+
+
+def test_code_probe_tests_reject_a_miscopied_number():
+    """A quantized model's typical code error is a wrong number in the body (`x == 13` for `is_31`): each code
+    probe's tests pass its canonical body and fail the same body with any other number of its template's range."""
+    from pipelines import synthetic
+
+    for item in probes.code_probes():
+        n = int(item["prompt"].split("(")[0].rsplit("_", 1)[1])
+        assert str(n) in item["canonical"]
+        run = lambda body: exec(item["prompt"] + body + "\n" + item["tests"], {})  # noqa: E731
+        run(item["canonical"])
+        for other in synthetic.FUNCTION_RANGE[item["template"]]:
+            if other != n:
+                with pytest.raises(AssertionError):
+                    run(item["canonical"].replace(str(n), str(other)))
