@@ -1,4 +1,4 @@
-"""The memory charts: every variant's memory over soak rounds and its peak against sequence length."""
+"""The memory charts: every variant's memory over soak rounds and its peak against sequence length (memory-report)."""
 
 from __future__ import annotations
 
