@@ -12,8 +12,9 @@ and recomputes compare.json from the per-item records.
 from __future__ import annotations
 
 import math
+import shlex
 
-from pipelines import standard_tasks, stats
+from pipelines import lineage, standard_tasks, stats
 from pipelines.compare import BASELINE, by_id, pairing_problems, rederive, usable
 from pipelines.params import Params
 
@@ -82,12 +83,16 @@ def check_row(name: str, domain: str, row: dict | None, params: Params) -> tuple
     return "pass", []
 
 
-def rerun_command(judged: dict | None, now: dict | None) -> str:
+def rerun_command(judged: object, judged_digest: object, now: dict | None) -> str:
     """The `dvc repro` that makes results and verdicts agree again: the stages whose dvc.lock entry changed after
     compare.json was made, forced, and every stage after them. Forced, because DVC cannot tell a stage that
-    re-ran to the same bytes from a hand-made `dvc commit -f`; re-running it makes its outputs true again."""
-    changed = [name for name, digest in (now or {}).items() if (judged or {}).get(name) != digest]
-    return f"dvc repro --force --downstream {' '.join(changed)}" if judged and changed else "dvc repro --force"
+    re-ran to the same bytes from a hand-made `dvc commit -f`; re-running it makes its outputs true again.
+    `judged` (compare.json's per-stage digests) is trusted only when it hashes to compare.json's own digest;
+    otherwise, or when no stage can be named, everything is re-run."""
+    valid = (isinstance(judged, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in judged.items())
+             and lineage.digest_of_stages(judged) == judged_digest)
+    changed = [name for name, digest in (now or {}).items() if valid and judged.get(name) != digest]
+    return f"dvc repro --force --downstream {' '.join(map(shlex.quote, changed))}" if changed else "dvc repro --force"
 
 
 def decide(report: dict | None, fresh: dict | None, params: Params, changes: list[str], upstream_digest: str | None,
@@ -114,7 +119,7 @@ def decide(report: dict | None, fresh: dict | None, params: Params, changes: lis
         result["reasons"].append("no dvc.lock: these results were not made by dvc repro; run dvc repro")
         return result
     if report.get("dvc_lock_sha256") != upstream_digest:
-        command = rerun_command(report.get("dvc_lock_stages"), upstream_stages)
+        command = rerun_command(report.get("dvc_lock_stages"), report.get("dvc_lock_sha256"), upstream_stages)
         result["reasons"].append(
             "results/compare.json was not made from the results dvc.lock records: a stage before compare re-ran on a "
             "changed input and wrote the same outputs, so DVC did not judge again, or dvc.lock was committed by hand; "

@@ -32,16 +32,23 @@ def _sha256(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
+def stage_digests(lock_path: Path = Path("dvc.lock"), exclude: tuple[str, ...] = JUDGING_STAGES) -> dict[str, str] | None:
+    """sha256 of each dvc.lock entry of the stages that produced the results, in dvc.lock's order (which stages
+    changed after a comparison was made); None without a dvc.lock."""
+    stages = _locked_entries(lock_path, exclude)
+    return None if stages is None else {name: _sha256(entry) for name, entry in stages.items()}
+
+
+def digest_of_stages(digests: dict[str, str]) -> str:
+    """One sha256 over the stage digests: what compare.json's `dvc_lock_sha256` holds, so the gate can check that
+    the per-stage digests stored beside it are the ones it was made from."""
+    return _sha256(digests)
+
+
 def lock_digest(lock_path: Path = Path("dvc.lock"), exclude: tuple[str, ...] = JUDGING_STAGES) -> str | None:
     """sha256 of dvc.lock's entries for the stages that produced the results; None without a dvc.lock."""
-    stages = _locked_entries(lock_path, exclude)
-    return None if stages is None else _sha256(stages)
-
-
-def stage_digests(lock_path: Path = Path("dvc.lock")) -> dict[str, str] | None:
-    """sha256 of each of those entries, in dvc.lock's order: which stages changed after a comparison was made."""
-    stages = _locked_entries(lock_path, JUDGING_STAGES)
-    return None if stages is None else {name: _sha256(entry) for name, entry in stages.items()}
+    digests = stage_digests(lock_path, exclude)
+    return None if digests is None else digest_of_stages(digests)
 
 
 def results_digest(lock_path: Path = Path("dvc.lock")) -> str | None:

@@ -250,6 +250,9 @@ def test_edited_per_item_records_after_dvc_commit_cannot_pass(repo):
     # the stage whose outputs were edited, forced: re-running it writes the records the model really gives
     assert result["reasons"][0].endswith("re-run what changed and everything after it: "
                                          "dvc repro --force --downstream results")
+    edit_json(repo / "results/compare.json", lambda d: d["dvc_lock_stages"].update(results="what it is now"))
+    dvc_commit_force(repo)  # stage digests forged to name nothing (or another stage): everything is re-run
+    assert run_gate("--variant", "awq4")[1]["reasons"][0].endswith("dvc repro --force")
 
 
 def record_run(repo, results):
@@ -371,9 +374,15 @@ def test_results_without_a_dvc_lock_cannot_pass():
 
 def test_the_rerun_names_the_stages_that_changed_after_the_comparison():
     from pipelines.gate import rerun_command
+    from pipelines.lineage import digest_of_stages
 
     judged = {"reference": "a", "evaluate@int8": "b", "evaluate@awq4": "c"}
     now = {"reference": "a", "evaluate@int8": "B", "evaluate@awq4": "C", "evaluate@gptq3": "d"}
-    assert rerun_command(judged, now) == "dvc repro --force --downstream evaluate@int8 evaluate@awq4 evaluate@gptq3"
-    assert rerun_command(None, now) == "dvc repro --force"  # a compare.json from before it named its stages
-    assert rerun_command(judged, {"reference": "a"}) == "dvc repro --force"  # only a stage gone: judge all again
+    assert (rerun_command(judged, digest_of_stages(judged), now)
+            == "dvc repro --force --downstream evaluate@int8 evaluate@awq4 evaluate@gptq3")
+    assert rerun_command(None, None, now) == "dvc repro --force"  # a compare.json from before it named its stages
+    assert rerun_command(judged, digest_of_stages(judged), {"reference": "a"}) == "dvc repro --force"  # a stage gone
+    # stage digests edited in compare.json so that the command would force an innocent stage: not trusted
+    edited = {**judged, "reference": "x"}
+    assert rerun_command(edited, digest_of_stages(judged), now) == "dvc repro --force"
+    assert rerun_command(["reference"], digest_of_stages(judged), now) == "dvc repro --force"
