@@ -91,7 +91,7 @@ def rerun_command(judged: object, judged_digest: object, now: dict | None) -> st
     otherwise, or when no stage can be named, everything is re-run."""
     valid = (isinstance(judged, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in judged.items())
              and lineage.digest_of_stages(judged) == judged_digest)
-    changed = [name for name, digest in (now or {}).items() if valid and judged.get(name) != digest]
+    changed = [name for name, digest in (now or {}).items() if judged.get(name) != digest] if valid else []
     return f"dvc repro --force --downstream {' '.join(map(shlex.quote, changed))}" if changed else "dvc repro --force"
 
 

@@ -79,9 +79,9 @@ def test_code_probe_tests_reject_a_miscopied_number():
         assert str(n) in item["canonical"]
         run = lambda body: exec(item["prompt"] + body + "\n" + item["tests"], {})  # noqa: E731
         run(item["canonical"])
-        body = synthetic.FUNCTIONS[item["template"]][1]
-        assert item["canonical"] == " " + body.format(n=n)[len("return "):]
+        body = lambda number: synthetic.function_source(item["template"], number).rsplit("return", 1)[1]  # noqa: E731
+        assert item["canonical"] == body(n)
         for other in synthetic.FUNCTION_RANGE[item["template"]]:
             if other != n:
                 with pytest.raises(AssertionError):
-                    run(" " + body.format(n=other)[len("return "):])
+                    run(body(other))
