@@ -13,7 +13,8 @@ root; on a virtual disk the host may still cache them). For scale it also times 
 on one core, which the manifest needs anyway, and phase 1 alone (`candidates.inspect`: the checks that read no
 tensor bytes), the fixed cost that a small checkpoint weighs more than a 70B one. Prints the fastest of each, the
 ratios, and the median of the per-repeat ratios (a cold read and a cold admit one after the other), which the
-virtual disk's swings move less than the fastest of each; the goal is admit / read <= 1.5.
+virtual disk's swings move less than the fastest of each; the goal is admit / read <= 1.5. The run is written to
+docs/measured/admission_cost.json (docs/quantize.md renders it; --no-record: print only).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks import measured  # noqa: E402
 from pipelines import candidates  # noqa: E402
 
 
@@ -134,6 +136,7 @@ def main() -> int:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, help="keep the generated checkpoint here (default: a temporary folder)")
+    measured.add_arguments(ap, "admission_cost")
     args = ap.parse_args()
     root = args.dir or Path(tempfile.mkdtemp(prefix="admission-cost-"))
     cand, base = build(root, args.mb, args.shards)
@@ -176,6 +179,13 @@ def main() -> int:
           f"{best['cold admit'] / best['cold read']:.2f}  (goal <= 1.5)")
     print(f"{'paired cold ratios:':<22}" + " ".join(f"{r:.2f}" for r in paired) +
           f"  median {statistics.median(paired):.2f}  (goal <= 1.5)")
+    measured.record(args.record, "admission_cost", {"runs": [{
+        "checkpoint_mb": round(size / 1e6), "shards": args.shards, "repeats": args.repeats,
+        "read_warm_s": round(best["read"], 4), "read_cold_s": round(best["cold read"], 4),
+        "sha256_warm_s": round(best["sha256"], 4), "phase1_warm_s": round(best["phase 1"], 4),
+        "validate_warm_s": round(best["validate"], 4), "admit_warm_s": round(best["admit"], 4),
+        "admit_cold_s": round(best["cold admit"], 4), "ratio_fastest": round(best["cold admit"] / best["cold read"], 3),
+        "paired_ratios": [round(r, 3) for r in paired], "paired_median": round(statistics.median(paired), 3)}]})
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
     return 0

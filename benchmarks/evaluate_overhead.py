@@ -5,7 +5,8 @@
 Needs `dvc repro` up to the evaluate stage (a built variant and results/eval/fidelity_base.safetensors).
 Prints: items/s through `evaluate.run_probes` vs a bare `lm_eval.simple_evaluate` on the same tasks,
 model object and batch size (goal: ratio >= 0.95), and seconds of `fidelity.compare` vs one plain
-forward pass over the same token sequences (goal: <= 1.2x). Best of `repeats`, alternating.
+forward pass over the same token sequences (goal: <= 1.2x). Best of `repeats`, alternating. Writes the numbers to
+docs/measured/evaluate_overhead.json (docs/evaluate.md renders them; --no-record: print only).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks import measured  # noqa: E402
 from pipelines import evaluate, fidelity, logs  # noqa: E402
 from pipelines.models import load_variant  # noqa: E402
 from pipelines.params import DEFAULT_PROBES as PROBES  # noqa: E402
@@ -52,6 +54,7 @@ def main() -> None:
     parser.add_argument("--variant", default="gptq3")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=16)
+    measured.add_arguments(parser, "evaluate_overhead")
     args = parser.parse_args()
     logs.setup(log_file=Path("logs/benchmark.log"))
     model, tok = load_variant(Path("models/variants") / args.variant)
@@ -77,6 +80,11 @@ def main() -> None:
           f"throughput ratio {best['bare'] / best['quantgate']:.3f} (goal >= 0.95)")
     print(f"fidelity: one forward pass {best['forward']:.2f} s, fidelity.compare {best['fidelity']:.2f} s, "
           f"ratio {best['fidelity'] / best['forward']:.3f} (goal <= 1.2)")
+    measured.record(args.record, "evaluate_overhead", {
+        "variant": args.variant, "items": items, "domains": DOMAINS, "repeats": args.repeats, "batch_size": args.batch_size,
+        "bare_items_per_s": round(items / best["bare"], 2), "quantgate_items_per_s": round(items / best["quantgate"], 2),
+        "throughput_ratio": round(best["bare"] / best["quantgate"], 4), "forward_seconds": round(best["forward"], 3),
+        "fidelity_seconds": round(best["fidelity"], 3), "fidelity_ratio": round(best["fidelity"] / best["forward"], 4)})
 
 
 if __name__ == "__main__":

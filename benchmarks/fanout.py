@@ -8,7 +8,9 @@ other runs `quantgate fanout` on a local Ray cluster (`ray start --head --num-cp
 reference model, so both run the same stages. `--small` uses the end-to-end test's small settings (a
 quick check of the machinery, not the number the docs quote). Then Ray's overhead: the round trip of
 50 empty tasks, and of a task that runs `true` as a stage would run its command. Prints the times and
-the ratio fan-out / sequential (goal <= 0.75 on 2 cores).
+the ratio fan-out / sequential (goal <= 0.75 on 2 cores). A run of the embedded default is written to
+docs/measured/fanout.json (docs/fanout.md renders it; --label names its row; --small runs are not recorded unless
+--record PATH is given; --no-record: print only).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import measured  # noqa: E402
 from tests.test_fanout import env, free_port, small_repo, tool  # noqa: E402
 from tests.test_pipeline_e2e import repo_copy  # noqa: E402
 
@@ -69,7 +72,11 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="the end-to-end test's small settings")
     ap.add_argument("--cpus", type=int, default=2, help="CPUs the Ray cluster offers (one task per CPU)")
     ap.add_argument("--keep", type=Path, help="keep the two copies here")
+    ap.add_argument("--label", default="this checkout", help="the row's name in docs/fanout.md's table")
+    measured.add_arguments(ap, "fanout")
     args = ap.parse_args()
+    if args.small and args.record == measured.MEASURED / "fanout.json":
+        args.record = None  # the small settings are a check of the machinery, not the number the docs quote
     work = args.keep or Path(tempfile.mkdtemp(prefix="fanout-bench-"))
     variants = ["fp16", "int8", "awq4", "gptq3"]
     copies = {}
@@ -95,6 +102,10 @@ def main() -> int:
     print(f"quantgate fanout + dvc repro:   {fan + rest:7.1f} s  ({fan:.1f} + {rest:.1f})")
     print(f"ratio fan-out / sequential:     {(fan + rest) / sequential:7.2f}  (goal <= 0.75)")
     print(f"Ray overhead per task:          {empty_ms:7.1f} ms (empty task), {command_ms:.1f} ms (a `true` stage)")
+    measured.record(args.record, "fanout", {"runs": [{
+        "label": args.label, "sequential_seconds": round(sequential, 1), "fanout_seconds": round(fan, 1),
+        "rest_seconds": round(rest, 1), "ratio": round((fan + rest) / sequential, 3), "empty_task_ms": round(empty_ms, 2),
+        "stage_task_ms": round(command_ms, 2), "cpus": args.cpus, "small": args.small, "variants": variants}]})
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0

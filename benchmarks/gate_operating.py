@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import measured  # noqa: E402
 from pipelines import compare, sequential  # noqa: E402
 from pipelines.params import PolicyParams  # noqa: E402
 
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--confidence", type=float, default=None,
                         help="compare.confidence to simulate (default: params.yaml's)")
+    measured.add_arguments(parser, "gate_operating")
     args = parser.parse_args()
     if args.confidence is None:
         from pipelines.params import load_params
@@ -104,12 +106,20 @@ def main() -> None:
           f"alpha {alpha:g}), Pocock spending over looks\n")
     print(f"{'scenario':52} {'goal':>8} | {'one look of 200':^28} | {'looks ' + '/'.join(map(str, sequence)):^37}")
     print(f"{'':52} {'':>8} | {'pass':>8} {'inconcl.':>9} {'fail':>8} | {'pass':>8} {'inconcl.':>9} {'fail':>8} {'items':>7}")
+    table = []
     for name, difference, flip_rate, families, goal in rows:
         one = scenario(rng, args.runs, difference, flip_rate, families, single, alpha)
         seq = scenario(rng, args.runs, difference, flip_rate, families, sequence, alpha)
         print(f"{name:52} {goal:>8} | {one['pass']:8.3f} {one['inconclusive']:9.3f} {one['fail']:8.3f} | "
               f"{seq['pass']:8.3f} {seq['inconclusive']:9.3f} {seq['fail']:8.3f} {seq['items']:7.0f}")
-    print(f"\n{time.perf_counter() - started:.0f} s")
+        table.append({"scenario": name, "true_difference": difference, "flip_rate": flip_rate, "families": families,
+                      "goal": goal, "one_look": one, "looks": seq})
+    seconds = time.perf_counter() - started
+    print(f"\n{seconds:.0f} s")
+    measured.record(args.record, "gate_operating",
+                    {"runs": args.runs, "seed": args.seed, "margin": MARGIN, "confidence": args.confidence,
+                     "alpha": alpha, "spending": "pocock", "one_look_plan": single, "looks_plan": list(sequence),
+                     "seconds": round(seconds, 1), "rows": table})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ In a fresh copy of this checkout (the files git tracks or would track, as a clon
 4. `quantgate route lookup` as a command (goal <= 0.5 s wall and <= 80 MiB peak RSS, median of 5);
 5. the importable router (`pipelines.router.Router`): time per lookup and per classify-and-lookup
    (goal <= 50 microseconds a lookup).
-Each line prints the measurement, the goal and their ratio.
+Each line prints the measurement, the goal and their ratio, and the run is written to
+docs/measured/pipeline_speed.json (README.md's speed table is made from it; --no-record: print only).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import measured  # noqa: E402
 from tests.test_pipeline_e2e import repo_copy  # noqa: E402
 
 
@@ -61,15 +63,19 @@ def line(what: str, value: float, unit: str, goal: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", type=Path, help="run in this folder and keep it (default: a temp folder)")
+    measured.add_arguments(parser, "pipeline_speed")
     args = parser.parse_args()
+    numbers: dict = {}
     work = args.keep or Path(tempfile.mkdtemp(prefix="quantgate-speed-"))
     work.mkdir(parents=True, exist_ok=True)
     repo = fresh_copy(work)
     try:
         took, ran = repro(repo)
         line(f"fresh dvc repro ({len(ran)} stages)", took / 60, "min", 10)
+        numbers.update(fresh_repro_minutes=round(took / 60, 2), fresh_repro_stages=len(ran))
         took, ran = repro(repo)
         line(f"no-op dvc repro ({len(ran)} stages ran)", took, "s", 3)
+        numbers.update(noop_repro_seconds=round(took, 2), noop_stages_ran=len(ran))
 
         params = yaml.safe_load((repo / "params.yaml").read_text())
         params["calibration"]["samples"] = params["calibration"]["samples"] - 32
@@ -79,6 +85,7 @@ def main() -> None:
         untouched = [s for s in ("quantize@fp16", "quantize@int8", "memory@fp16", "memory@int8", "evaluate@int8",
                                  "baseline") if s in ran]
         print(f"{'':58} {'':15} stages that do not read the recipe and ran anyway: {untouched or 'none'}")
+        numbers.update(recipe_change_seconds=round(took, 1), recipe_change_ran=ran, recipe_change_untouched=untouched)
 
         walls, peaks = [], []
         for _ in range(5):
@@ -89,6 +96,7 @@ def main() -> None:
             peaks.append(int(peak) / 1024)
         line("quantgate route lookup, wall (median of 5)", statistics.median(walls), "s", 0.5)
         line("quantgate route lookup, peak RSS (median of 5)", statistics.median(peaks), "MiB", 80)
+        numbers.update(lookup_wall_seconds=statistics.median(walls), lookup_peak_rss_mib=round(statistics.median(peaks), 1))
 
         from pipelines.router import Router
 
@@ -96,8 +104,13 @@ def main() -> None:
         n = 100_000
         per = timeit.timeit(lambda: router.lookup("math", 40), number=n) / n
         line("Router.lookup(domain, tokens)", per * 1e6, "us", 50)
+        numbers["router_lookup_us"] = round(per * 1e6, 3)
         per = timeit.timeit(lambda: router.route("What is 12 + 35?", 40), number=n // 10) / (n // 10)
         line("Router.route(text, tokens) incl. classification", per * 1e6, "us", 50)
+        numbers["router_route_us"] = round(per * 1e6, 3)
+        probes = sum(1 for _ in (ROOT / "eval" / "code" / "items.jsonl").open())
+        measured.record(args.record, "pipeline_speed", numbers,
+                        note=f"Measured with {probes} code probes (eval/code/items.jsonl).")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

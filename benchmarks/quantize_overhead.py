@@ -4,7 +4,8 @@
 
 Same model (params.yaml `model`), same calibration set (calibration_sets/built/by_method/<method>.jsonl),
 same settings. Prints seconds and the ratio quantgate / direct; the goal is a ratio under 1.10. Needs
-`dvc repro calibrate` first. Runs each path `repeats` times, alternating, and keeps the fastest.
+`dvc repro calibrate` first. Runs each path `repeats` times, alternating, and keeps the fastest. Writes the table to
+docs/measured/quantize_overhead.json (docs/quantize.md renders it; --no-record: print only).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import measured  # noqa: E402
 from pipelines import logs  # noqa: E402
 from pipelines.models import dtype_of, resolve_model  # noqa: E402
 from pipelines.params import load_params  # noqa: E402
@@ -59,7 +61,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--methods", default="fp16,int8,awq4,gptq3")
+    measured.add_arguments(parser, "quantize_overhead")
     args = parser.parse_args()
+    started, rows = time.perf_counter(), []
     logs.setup(log_file=Path("logs/benchmark.log"))
     params = load_params()
     source = resolve_model(params.model)
@@ -82,6 +86,12 @@ def main() -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
         print(f"{name:<8} {best['direct']:9.2f} {best['quantgate']:12.2f} {best['quantgate'] / best['direct']:6.3f}",
               flush=True)
+        rows.append({"variant": name, "direct_seconds": round(best["direct"], 4),
+                     "quantgate_seconds": round(best["quantgate"], 4),
+                     "ratio": round(best["quantgate"] / best["direct"], 4)})
+    measured.record(args.record, "quantize_overhead", {"repeats": args.repeats, "model": source.location,
+                                                       "seconds": round(time.perf_counter() - started, 1),
+                                                       "goal_ratio": 1.10, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -16,12 +16,18 @@ The lost/gained counts are the statistic the gate judges, on the same items: a s
 fewer of them is tuned on the test items. Prefer the fidelity columns (thousands of token-level comparisons).
 Needs a finished `dvc repro` (models/, calibration_sets/built, results/baseline). In-process: meant for settings
 of the project's own quantizers, not for untrusted checkpoints.
+
+Writes every row to docs/measured/quantizer_settings.json, or `--record PATH` (docs/quantize.md renders
+docs/measured/quantizer_settings_awq.json, docs/compare.md docs/measured/quantizer_settings_gptq3.json); `--label TEXT`
+(once per setting, in order) names the rows; --no-record: print only.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
+import time
 import tempfile
 from pathlib import Path
 
@@ -30,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from benchmarks import measured  # noqa: E402
 from pipelines import fidelity, logs  # noqa: E402
 from pipelines.evaluate import full_text, probe_items  # noqa: E402
 from pipelines.models import load_variant, resolve_device, resolve_model  # noqa: E402
@@ -80,6 +87,12 @@ def answers_of(model, tokenizer, tasks: dict[str, dict], items: dict[str, list[d
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("settings", nargs="+", help="a variant's settings as JSON (params.yaml variants.<name>)")
+    parser.add_argument("--label", action="append", default=[], help="the row's name in the docs, once per setting")
+    measured.add_arguments(parser, "quantizer_settings")
+    args = parser.parse_args()
+    started, rows = time.perf_counter(), []
     logs.setup(log_file=Path("logs/benchmark.log"))
     torch.manual_seed(0)
     params = load_params()
@@ -92,7 +105,7 @@ def main() -> None:
     domains = list(params.evaluate.domains)
     print("settings | " + " | ".join(f"{d}: KL mean, p99, same top-1" for d in domains) + " | "
           + " | ".join(f"{d}: lost/gained of {len(items[d])}" for d in tasks))
-    for arg in sys.argv[1:]:
+    for n, arg in enumerate(args.settings):
         settings = VariantParams(**json.loads(arg))
         with tempfile.TemporaryDirectory() as tmp:
             manifest, _ = quantize_variant("trial", settings, source, BUILT, device, Path(tmp))
@@ -110,6 +123,17 @@ def main() -> None:
             gained = sum(m == t != b for b, m, t in pairs)
             cells.append(f"{lost}/{gained}")
         print(f"{arg} | " + " | ".join(cells), flush=True)
+        lost_gained = {}
+        for d in tasks:
+            pairs = list(zip(base[d], mine[d], targets[d]))
+            lost_gained[d] = [sum(b == t != m for b, m, t in pairs), sum(m == t != b for b, m, t in pairs)]
+        rows.append({"label": args.label[n] if n < len(args.label) else None, "settings": json.loads(arg),
+                     "fidelity": {d: {"kl_mean": fid[d]["kl"]["mean"], "kl_p99": fid[d]["kl"]["p99"],
+                                      "same_top1": fid[d]["same_top1"]} for d in domains},
+                     "lost_gained": lost_gained})
+    measured.record(args.record, "quantizer_settings", {
+        "domains": domains, "generating_domains": list(tasks), "pool_sizes": {d: len(items[d]) for d in tasks},
+        "seconds": round(time.perf_counter() - started, 1), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -334,6 +334,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     report["dvc_lock_sha256"] = lock_digest()  # what `gate` checks the results against
     report["dvc_lock_stages"] = stage_digests()  # and, when they differ, names the stages that changed since
     write_json(compare.REPORT, report)
+    write_json(compare.SUMMARY, compare.summary(report))  # DVC's metrics: `dvc exp show`, `dvc metrics diff`
     atomic_write_text(RESULTS / "compare.csv", pd.DataFrame(compare.flat_rows(report)).to_csv(index=False))
     write_json(PLOTS_DIR / "differences.json",  # a DVC data plot: `dvc plots diff` across experiments
                [{"row": f"{r['variant']} {r['domain']}", "difference": r["difference"], "ci_low": r["ci_low"],
@@ -350,7 +351,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             log.info("compare %-8s %-12s %-12s %s", name, domain, d["verdict"].upper(), numbers)
             if d["verdict"] != "pass":
                 log.info("    %s", "; ".join(d["reasons"]))
-    log.info("compare: results/compare.json, results/compare.csv, results/plots/{pareto,flips,kl_percentiles}.png")
+    log.info("compare: results/compare.json, results/summary.json, results/compare.csv, "
+             "results/plots/{pareto,flips,kl_percentiles}.png")
     return 0
 
 
@@ -552,6 +554,18 @@ def cmd_ui(args: argparse.Namespace) -> int:
     return subprocess.call(cmd)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """What the configured run needs on this machine, as a table; exit 1 when the run could not give a verdict."""
+    import time
+
+    from pipelines import doctor  # here, not at the top: no stage's code (dvc.yaml deps) includes the doctor
+
+    started = time.perf_counter()
+    checks = doctor.run_checks(args.params)
+    doctor.print_table(checks, time.perf_counter() - started)
+    return doctor.exit_code(checks)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quantgate",
@@ -645,6 +659,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 over the local tracking store")
     p.add_argument("--port", type=int, default=5000)
     p.set_defaults(func=cmd_ui)
+
+    p = sub.add_parser("doctor", help="check what the configured run needs here (sandbox, torch and devices, "
+                                      "quantization backends, MLflow, disk, model, dvc); exit 1 when it could not "
+                                      "give a verdict")
+    p.add_argument("--params", default="params.yaml", metavar="FILE", help="the params file to check (default: %(default)s)")
+    p.set_defaults(func=cmd_doctor)
     return parser
 
 

@@ -23,12 +23,13 @@ import numpy as np
 
 from pipelines import sequential, standard_tasks, stats
 from pipelines.evaluate import EVAL_DIR, PLACEHOLDERS, row_of
-from pipelines.errors import QuantgateError
+from pipelines.errors import ENVIRONMENT, QuantgateError
 from pipelines.io import read_json, read_jsonl
 from pipelines.params import CompareParams, EvaluateParams, PolicyParams
 
 BASELINE = "fp16"
 REPORT = Path("results/compare.json")  # the stage's report: verdicts and the numbers behind them
+SUMMARY = Path("results/summary.json")  # DVC's only metrics file: the decision in a few columns (`summary`)
 VERDICTS = ("pass", "inconclusive", "fail")
 MIN_FIDELITY_TOKENS = 100  # llama.cpp prints no KL summary below 100 scored tokens
 
@@ -90,22 +91,31 @@ def load_inputs(names: list[str], results: Path, variants_dir: Path) -> dict[str
     return out
 
 
-def _upstream_failure(inputs: dict | None) -> str | None:
-    """Why a model has no usable results at all, or None."""
+def _upstream_failure(inputs: dict | None) -> tuple[str | None, dict | None]:
+    """Why a model has no usable results at all (or None), and, when that is this machine's doing (a library,
+    kernel or device missing: errors.environment_cause), {"reason", "remedy"}."""
     if inputs is None:
-        return "no results"
+        return "no results", None
     manifest, evaluation = inputs["manifest"], inputs["eval"]
     if manifest is None:
-        return "no manifest (quantize/admit did not run)"
+        return "no manifest (quantize/admit did not run)", None
     if manifest.get("status") != "ok":
-        return f"quantize/admit failed: {manifest.get('error') or '; '.join(manifest.get('validation', {}).get('reasons', [])) or 'unknown'}"
+        return (f"quantize/admit failed: {manifest.get('error') or '; '.join(manifest.get('validation', {}).get('reasons', [])) or 'unknown'}",
+                _unmeasured(manifest))
     if evaluation is None:
-        return "no evaluation results"
+        return "no evaluation results", None
     if evaluation.get("status") != "ok":
-        return f"evaluation failed: {evaluation.get('error', 'unknown')}"
+        return f"evaluation failed: {evaluation.get('error', 'unknown')}", _unmeasured(evaluation)
     if inputs["items"] is None:
-        return "no per-item records"
-    return None
+        return "no per-item records", None
+    return None, None
+
+
+def _unmeasured(record: dict | None) -> dict | None:
+    """{"reason", "remedy"} of a record that says this machine could not measure (not that the model failed)."""
+    if not record or record.get("cause") != ENVIRONMENT:
+        return None
+    return {"reason": str(record.get("reason") or record.get("error") or "unknown"), "remedy": str(record.get("remedy") or "")}
 
 
 def by_id(items: list[dict], domain: str) -> dict[str, dict]:
@@ -334,7 +344,7 @@ def _more_items_advice(need: float | None, paired: dict, power: float, pool: int
 def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | None, memory: dict,
                 plans: dict[str, dict], p: CompareParams) -> dict:
     """One variant's rows: per domain the looks, the paired statistics, the checks and the verdict."""
-    failure = _upstream_failure(inputs)
+    failure, unmeasured = _upstream_failure(inputs)
     mem_rows = memory.get("variants", {})
     mem = _memory_summary(mem_rows.get(name), mem_rows.get(BASELINE))
     row = {"kind": inputs.get("kind", "variant"), "memory": mem, "domains": {}}
@@ -342,6 +352,9 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
     # task rows first: the domain's row needs their verdicts
     for domain, plan in sorted(plans.items(), key=lambda kv: not standard_tasks.is_task_row(kv[0])):
         policy = p.policy_for(plan.get("domain", domain))
+        if unmeasured and not base_failure:  # nothing was measured, so there is no evidence against the variant
+            judged[domain] = _unmeasured_row(unmeasured, policy)
+            continue
         reasons = []
         if base_failure:
             reasons.append(f"baseline fp16 unusable: {base_failure}")
@@ -351,10 +364,14 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
             memory_error = (mem_rows.get(name) or {}).get("error")
             reasons.append(f"memory stage failed: {memory_error}" if memory_error else "no memory results")
         probe = (inputs["eval"] or {}).get("probes", {}).get(domain) if not failure else None
-        if not failure and (probe is None or probe.get("status") != "ok"):
+        probe_unmeasured = _unmeasured(probe) if not failure and (probe or {}).get("status") != "ok" else None
+        if not failure and (probe is None or probe.get("status") != "ok") and not probe_unmeasured:
             reasons.append(f"probe not run: {(probe or {}).get('reason', 'missing')}")
         if reasons:
             judged[domain] = {"verdict": "fail", "reasons": reasons, "policy": policy.model_dump()}
+            continue
+        if probe_unmeasured:
+            judged[domain] = _unmeasured_row(probe_unmeasured, policy)
             continue
         fid = (inputs["eval"].get("fidelity") or {}).get(plan.get("domain", domain))
         tasks = {k: judged[k] for k, other in plans.items() if other.get("domain") == domain and k in judged}
@@ -366,6 +383,13 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
     return row
 
 
+def _unmeasured_row(unmeasured: dict, policy: PolicyParams) -> dict:
+    """A row this machine could not measure: `inconclusive` with the remedy (never routed, never released)."""
+    return {"verdict": "inconclusive", "unmeasured": unmeasured, "policy": policy.model_dump(),
+            "reasons": [f"not measured on this machine: {unmeasured['reason']}"
+                        + (f"; remedy: {unmeasured['remedy']}" if unmeasured["remedy"] else "")]}
+
+
 def compare_all(variants: list[str], candidates: list[str], plans: dict[str, dict], p: CompareParams,
                 results: Path, variants_dir: Path) -> dict:
     """compare.json: the baseline's own numbers, then every variant and candidate against it."""
@@ -375,7 +399,7 @@ def compare_all(variants: list[str], candidates: list[str], plans: dict[str, dic
         inputs[name]["kind"] = "candidate"
     memory_path = results / "memory_summary.json"
     memory = read_json(memory_path) if memory_path.is_file() else {}
-    base_failure = _upstream_failure(inputs[BASELINE])
+    base_failure = _upstream_failure(inputs[BASELINE])[0]
     base_mem = memory.get("variants", {}).get(BASELINE)
     if base_failure is None and (base_mem is None or base_mem.get("status") != "ok"):
         base_failure = "no memory results"
@@ -421,6 +445,32 @@ def flat_rows(report: dict) -> list[dict]:
 
 
 VERDICT_COLOURS = {"pass": "tab:green", "inconclusive": "tab:orange", "fail": "tab:red", "baseline": "tab:blue"}
+
+
+def summary(report: dict) -> dict:
+    """results/summary.json, the pipeline's only DVC metrics: per variant and request type the verdict, the
+    difference, the interval's low end and the items; per variant the memory saving and growth excess; and the
+    gate's verdict on these results. Verdicts come first, so `dvc exp show --only-changed` at a terminal's width
+    shows the rows whose verdict changed before the numbers; compare.json keeps everything else."""
+    def rounded(value, digits: int):
+        return round(float(value), digits) if usable(value) else None
+
+    def per_row(pick) -> dict:
+        return {name: {domain: pick((v["domains"].get(domain) or {})) for domain in report["domains"]}
+                for name, v in report["variants"].items()}
+
+    verdicts = [v["verdict"] for v in report["variants"].values()]
+    baseline_ok = (report.get("fp16") or {}).get("status") == "ok"
+    gate = ("undecided" if not baseline_ok or not verdicts or "inconclusive" in verdicts and "fail" not in verdicts
+            else "fail" if "fail" in verdicts else "pass")
+    memory = {name: v.get("memory") or {} for name, v in report["variants"].items()}
+    return {"gate": gate,
+            "verdict": per_row(lambda d: d.get("verdict")),
+            "difference": per_row(lambda d: rounded((d.get("paired") or {}).get("difference"), 3)),
+            "ci_low": per_row(lambda d: rounded((d.get("paired") or {}).get("ci_low"), 3)),
+            "items": per_row(lambda d: (d.get("paired") or {}).get("items")),
+            "memory_saving_pct": {n: rounded(m.get("footprint_saving_pct"), 1) for n, m in memory.items()},
+            "growth_excess_pct": {n: rounded(m.get("growth_excess_pct"), 2) for n, m in memory.items()}}
 
 
 def plot_all(report: dict, out_dir: Path) -> list[Path]:

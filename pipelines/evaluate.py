@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from pipelines import fidelity, standard_tasks
+from pipelines.errors import ENVIRONMENT, environment_cause
 from pipelines.logs import library_output
 from pipelines.models import load_variant
 
@@ -88,8 +89,10 @@ def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int
         if not isolated and not allow_unisolated_code:
             for d in running_code:
                 summary[d] = {"task": configs[d]["task"] if d in configs else probes[d]["task"], "status": "refused",
-                              "score": None, "stderr": None, "items": 0, "reason": "sandbox isolation unavailable; "
-                              "set evaluate.allow_unisolated_code: true to run code probes anyway"}
+                              "score": None, "stderr": None, "items": 0, "cause": ENVIRONMENT,
+                              "reason": f"sandbox isolation unavailable here ({sandbox.isolation_level()[1] or 'no bwrap'})",
+                              "remedy": "install bubblewrap (apt-get install bubblewrap; `quantgate doctor` checks it), "
+                                        "or set evaluate.allow_unisolated_code: true to run code probes anyway"}
             requests = {d: ids for d, ids in requests.items() if d not in running_code}
         os.environ["QUANTGATE_ALLOW_UNISOLATED_CODE"] = "1" if allow_unisolated_code else "0"
     tasks = {configs[d]["task"] if d in configs else probes[d]["task"]: d for d in requests}
@@ -283,5 +286,5 @@ def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, f
         return result, items
     except Exception as err:  # noqa: BLE001 - one variant's failure is that variant's result
         logging.getLogger().error("evaluate %s failed", variant_dir, exc_info=True)
-        result.update({"status": "failed", "error": f"{type(err).__name__}: {err}"[:2000]})
+        result.update({"status": "failed", "error": f"{type(err).__name__}: {err}"[:2000], **(environment_cause(err) or {})})
         return result, []

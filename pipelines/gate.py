@@ -70,6 +70,9 @@ def check_row(name: str, domain: str, row: dict | None, params: Params) -> tuple
     if row is None:
         return "fail", [f"{name} {domain}: no comparison"]
     policy = params.compare.policy_for(domain).model_dump()
+    if row.get("verdict") == "inconclusive" and row.get("unmeasured") and not row.get("paired"):
+        # this machine could not measure (no sandbox, a library or kernel missing): no evidence either way
+        return "undecided", [f"{name} {domain}: {r}" for r in row.get("reasons") or ["not measured"]]
     if row.get("verdict") == "fail" or not row.get("paired"):
         return "fail", [f"{name} {domain}: {r}" for r in row.get("reasons") or ["failed"]]
     reasons = [f"{name} {domain}: {key} is missing or not a number ({value!r})"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from pipelines.errors import QuantgateError
+from pipelines.errors import QuantgateError, environment_cause
 from pipelines.io import atomic_dir, sha256_file, write_json
 from pipelines.logs import library_output
 from pipelines.models import ModelSource, VARIANTS_DIR, device_map_for, dtype_of, gpu_budget
@@ -237,7 +237,7 @@ def quantize_variant(name: str, settings: VariantParams, source: ModelSource, bu
         where = traceback.extract_tb(err.__traceback__)[-1]
         message = str(err).strip() or f"raised in {Path(where.filename).name}:{where.lineno} ({where.line})"
         manifest.update({"status": "failed", "error": f"{type(err).__name__}: {message}"[:2000],
-                         "traceback_tail": traceback.format_exc().splitlines()[-6:]})
+                         "traceback_tail": traceback.format_exc().splitlines()[-6:], **(environment_cause(err) or {})})
         _write_failure(out_dir, manifest)
     return manifest, timing
 

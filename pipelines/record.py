@@ -46,13 +46,27 @@ CANDIDATE_ALIAS = "candidate"
 COMPLETE_TAG = "quantgate.complete"  # set on the parent run once every child is logged and every version registered
 PRODUCTION_ALIAS = "production"
 FORMAT_TAG = "quantgate.record_format"  # on the parent run; a finished recording in an older format is recorded again
-RECORD_FORMAT = "2"  # 2: passing checkpoints stored as artifacts (1 registered the workspace folder by path)
+RECORD_FORMAT = "3"  # 3: child runs named by their verdicts, per-type numbers on the parent, the saved view;
+                    # 2: passing checkpoints stored as artifacts (1 registered the workspace folder by path)
 MANIFEST = "quantgate.json"  # a variant folder's manifest (quantize.MANIFEST; repeated so record imports no torch)
 CHECKPOINT_PATH = "checkpoint"  # artifact folder of a passing variant's child run: the gated files
 CHECKPOINT_HASHES = "checkpoint.json"  # beside it: {"sha256": digest, "files": {name: sha256}}
 CHECKPOINT_TAG = "checkpoint.sha256"  # on the child run and the model version: checkpoint_digest(files)
 RECORDING_LOCK = "quantgate-recording-"  # + the digest's first 16 hex: a registered model that exists while one `record` runs
 LOCK_BEAT_S, LOCK_STALE_S, LOCK_POLL_S = 30.0, 300.0, 2.0  # holder's heartbeat; a lock not beaten that long is a dead holder's
+# MLflow 3.17's runs table shows a first-time visitor Run Name, Created, Dataset, Duration, Source and Models, never a
+# metric, param or tag column, and reads no column setting from the server (docs/record-gate.md, "What the MLflow UI
+# shows"). So a child run's name carries its verdict per request type, its children are tagged as evaluation runs
+# (the one thing MLflow's first visit acts on: it expands the parents of evaluation runs), and the experiment gets a
+# saved view (MLflow's own "Views" menu) whose columns are each request type's verdict and the numbers deciding it.
+RUN_TYPE_TAG, RUN_TYPE_EVALUATION = "mlflow.runType", "evaluation"
+VIEW_ID = "quantgate-verdicts"
+VIEW_TAG = "mlflow.sharedViewState." + VIEW_ID  # MLflow 3.17's saved views: experiment tags with this prefix
+VIEW_NAME = "quantgate: verdicts per request type"
+VIEW_MARK = "quantgate"  # in the view's envelope: {"domains": {domain: KL percentile}, "sha256": of the state we wrote}
+VIEW_STATISTICS = ("ci_low", "difference", "flip_rate")  # + kl/<policy percentile>: each domain's deciding numbers
+PARENT_STATISTICS = ("accuracy", "accuracy_fp16", "difference", "ci_low", "ci_high", "flip_rate", "items")
+VERDICT_ORDER = ("fail", "inconclusive", "pass")  # in a run's name: what blocks a release first
 
 
 @contextlib.contextmanager
@@ -223,6 +237,135 @@ def child_params(manifest: dict | None, settings: dict | None) -> dict[str, str]
     return params
 
 
+def child_run_name(name: str, row: dict | None) -> str:
+    """A child run's name: the variant, then its request types grouped by verdict, failing ones first
+    (`gptq3 · fail: code_comment · pass: math, code, chat`). The run name is the only text of a run that MLflow's
+    runs table shows without the user choosing columns; the tag `quantgate.variant` keeps the bare name."""
+    if name == BASELINE or not row:
+        return f"{name} · baseline"
+    groups: dict[str, list[str]] = {}
+    for domain, d in (row.get("domains") or {}).items():
+        groups.setdefault(str(d.get("verdict")), []).append(domain)
+    order = [v for v in VERDICT_ORDER if v in groups] + sorted(set(groups) - set(VERDICT_ORDER))
+    parts = [f"{verdict}: {', '.join(groups[verdict])}" for verdict in order] or [str(row.get("verdict"))]
+    return " · ".join([name, *parts])[:250]
+
+
+def _points(value) -> str:
+    return f"{100 * value:+.1f}" if usable(value) else "n/a"
+
+
+def child_description(name: str, row: dict | None) -> str:
+    """The child run's description (Markdown, shown at the top of its run page): per request type the verdict
+    and the numbers that decided it, and the reasons for anything but pass."""
+    if name == BASELINE or not row:
+        return f"**{name}**: the baseline every variant is compared with, item by item."
+    lines = [f"**{name}: {row.get('verdict')}** against fp16, per request type (accuracy points):", "",
+             "| request type | verdict | difference | interval | flip rate | KL |", "|---|---|---|---|---|---|"]
+    reasons = []
+    for domain, d in (row.get("domains") or {}).items():
+        paired, checks = d.get("paired") or {}, d.get("checks") or {}
+        kl, flips = checks.get("kl") or {}, paired.get("flip_rate")
+        kl_text = f"{kl.get('percentile', '')} {kl['value']:.3g}".strip() if usable(kl.get("value")) else "n/a"
+        lines.append(f"| {domain} | {d.get('verdict')} | {_points(paired.get('difference'))} | "
+                     f"[{_points(paired.get('ci_low'))}, {_points(paired.get('ci_high'))}] | "
+                     f"{f'{flips:.3f}' if usable(flips) else 'n/a'} | {kl_text} |")
+        if d.get("verdict") != "pass" and d.get("reasons"):
+            reasons.append(f"- {domain}: " + "; ".join(d["reasons"]))
+    return "\n".join(lines + ([""] + reasons if reasons else []))[:4000]
+
+
+def parent_metrics(report: dict) -> dict[str, float]:
+    """Per request type and variant the paired numbers as `<domain>/<variant>/<statistic>` on the parent run (and
+    fp16's accuracy as `<domain>/fp16/accuracy`), so MLflow's comparison of two pipeline runs (two experiments: the
+    default calibration set and one without code comments) shows `code_comment/gptq3/difference` side by side."""
+    out: dict[str, float] = {}
+    fp16 = (report.get("fp16") or {}).get("accuracy") or {}
+    for domain in report["domains"]:
+        numeric_leaves(f"{domain}/{BASELINE}", {"accuracy": fp16.get(domain)}, out)
+    for name, v in report["variants"].items():
+        for domain, d in (v.get("domains") or {}).items():
+            paired = d.get("paired") or {}
+            numeric_leaves(f"{domain}/{name}", {k: paired.get(k) for k in PARENT_STATISTICS}, out)
+    return out
+
+
+def parent_verdict_tags(report: dict) -> dict[str, str]:
+    """`verdict.<variant>` and `verdict.<variant>.<domain>` on the parent run."""
+    tags = {}
+    for name, v in report["variants"].items():
+        tags[f"verdict.{name}"] = str(v.get("verdict"))
+        tags.update({f"verdict.{name}.{domain}": str(d.get("verdict")) for domain, d in (v.get("domains") or {}).items()})
+    return tags
+
+
+def kl_percentiles(report: dict) -> dict[str, str]:
+    """Each domain's policy KL percentile (`p99`), as compare.json's checks name it."""
+    found = {}
+    for domain in report["domains"]:
+        for v in report["variants"].values():
+            pct = ((((v.get("domains") or {}).get(domain) or {}).get("checks") or {}).get("kl") or {}).get("percentile")
+            if pct:
+                found[domain] = str(pct)
+                break
+        found.setdefault(domain, "p99")
+    return found
+
+
+def _column(kind: str, key: str) -> str:
+    """MLflow's runs-table column id (makeCanonicalSortKey): metrics.`code/ci_low`, tags.`verdict.code`."""
+    return f"{kind}.`{key}`"
+
+
+RUN_NAME_COLUMN = _column("attributes", "Run Name")
+
+
+def verdict_view_state(domains: dict[str, str]) -> dict:
+    """The saved view's state: first every request type's verdict (tag `verdict.<type>`), then the numbers that
+    decide it, one statistic at a time across the types: the interval's low end (pass needs it at or above
+    -margin), the difference, the flip rate, the policy's KL percentile; then the memory growth excess. At 1600
+    pixels the verdicts and the low ends are on screen together. No Dataset, Source or Models column."""
+    columns = [_column("tags", f"verdict.{domain}") for domain in domains]
+    for statistic in VIEW_STATISTICS:
+        columns += [_column("metrics", f"{domain}/{statistic}") for domain in domains]
+    columns += [_column("metrics", f"{domain}/kl/{pct}") for domain, pct in domains.items()]
+    columns.append(_column("metrics", "memory/growth_excess_pct"))
+    widths = {c: 90 if c.startswith("tags.") else 100 for c in columns}
+    return {"selectedColumns": columns, "columnOrder": [RUN_NAME_COLUMN, *columns],
+            "columnWidths": {RUN_NAME_COLUMN: 300, **widths}}
+
+
+def write_verdict_view(client: MlflowClient, exp_id: str, report: dict) -> str:
+    """Create or update the experiment's saved view `quantgate-verdicts`; returns the UI path that opens it.
+
+    Request types recorded earlier stay in it (two pipelines with different request types share the experiment).
+    A view someone changed in the UI ("Override saved view") is theirs: its state no longer hashes to our mark, and
+    it is left alone.
+    """
+    path = f"#/experiments/{exp_id}/runs?viewStateShareKey={VIEW_ID}"
+    before = client.get_experiment(exp_id).tags.get(VIEW_TAG)
+    domains: dict[str, str] = {}
+    envelope: dict = {}
+    if before:
+        try:
+            envelope = json.loads(before)
+            mark = envelope[VIEW_MARK]
+            if mark["sha256"] != hashlib.sha256(envelope["state"].encode()).hexdigest():
+                return path  # changed in the UI since we wrote it
+            domains = dict(mark["domains"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return path  # not ours
+    domains.update(kl_percentiles(report))  # today's policy percentile; new request types at the end
+    state = json.dumps(verdict_view_state(domains), separators=(",", ":"))
+    if envelope.get("state") == state:
+        return path
+    now = int(time.time() * 1000)
+    envelope = {"name": VIEW_NAME, "createdAt": envelope.get("createdAt") or now, "updatedAt": now, "state": state,
+                VIEW_MARK: {"domains": domains, "sha256": hashlib.sha256(state.encode()).hexdigest()}}
+    client.set_experiment_tag(exp_id, VIEW_TAG, json.dumps(envelope, separators=(",", ":")))
+    return path
+
+
 def checkpoint_sha256(manifest: dict | None) -> str:
     """The weight files' sha256 as one tag value (`model.safetensors:<sha>`)."""
     return ",".join(f"{k}:{v}" for k, v in sorted(weights_sha256(manifest).items())) or "none"
@@ -351,7 +494,8 @@ def _record(client: MlflowClient, params: Params, digest: str, commit: dict, roo
     table = read_json(results / "routing_table.json")
     exp_id = experiment_id(client, params.mlflow.experiment, artifact_root)
     with recording_lock(client, digest):
-        return _record_locked(client, params, digest, commit, root, exp_id, report, table)
+        summary = _record_locked(client, params, digest, commit, root, exp_id, report, table)
+    return {**summary, "view": write_verdict_view(client, exp_id, report)}
 
 
 def _record_locked(client: MlflowClient, params: Params, digest: str, commit: dict, root: Path, exp_id: str,
@@ -377,8 +521,10 @@ def _record_locked(client: MlflowClient, params: Params, digest: str, commit: di
     with mlflow.start_run(experiment_id=exp_id, run_name=f"pipeline {digest[:8]}",
                           tags={KIND_TAG: "pipeline", DIGEST_TAG: digest, FORMAT_TAG: RECORD_FORMAT,
                                 "git.commit": str(commit.get("commit")),
-                                "git.dirty": str(commit.get("dirty")), "model": params.model}) as parent:
+                                "git.dirty": str(commit.get("dirty")), "model": params.model,
+                                **parent_verdict_tags(report)}) as parent:
         mlflow.log_params(flatten("", params.model_dump(mode="json", exclude=DERIVED_FROM_REQUESTS), {}))
+        mlflow.log_metrics(parent_metrics(report))
         mlflow.log_table(pd.DataFrame(flat_rows(report)), "tables/compare.json")
         mlflow.log_table(pd.DataFrame(routing_rows(table)), "tables/routing_table.json")
         built = root / "calibration_sets/built"
@@ -418,14 +564,15 @@ def _record_child(name: str, report: dict, params: Params, root: Path, digest: s
     kind = "baseline" if name == BASELINE else row.get("kind", "variant")
     tags = {KIND_TAG: kind, DIGEST_TAG: digest, "quantgate.variant": name,
             "verdict": "baseline" if name == BASELINE else row["verdict"],
-            "checkpoint_sha256": checkpoint_sha256(manifest)}
+            "checkpoint_sha256": checkpoint_sha256(manifest), RUN_TYPE_TAG: RUN_TYPE_EVALUATION,
+            "mlflow.note.content": child_description(name, row)}
     for domain, d in ((row or {}).get("domains") or {}).items():
         tags[f"verdict.{domain}"] = d["verdict"]
         if d["verdict"] != "pass":
             tags[f"reasons.{domain}"] = "; ".join(d["reasons"])[:4000]
     settings = params.variants[name].model_dump(mode="json") if name in params.variants else \
         params.candidates[name].model_dump(mode="json") if name in params.candidates else None
-    with mlflow.start_run(experiment_id=exp_id, run_name=name, nested=True, tags=tags) as child:
+    with mlflow.start_run(experiment_id=exp_id, run_name=child_run_name(name, row), nested=True, tags=tags) as child:
         mlflow.log_params(child_params(manifest, settings))
         mlflow.log_metrics(child_metrics(name, report, evaluation, manifest, memory, timing))
         _log_files([manifest_path, eval_path, root / "results/memory" / f"{name}.json"], "results")

@@ -1,52 +1,76 @@
 #!/usr/bin/env bash
-# CUDA check of the memory stage: fp16, int8, awq4 and gptq3 of a randomly initialised Llama large
-# enough to matter (~0.5B parameters; memory needs no trained weights), each measured in a fresh
-# process on the GPU. Sized to finish in under 10 minutes on one H100/H200.
+# CUDA check of the memory stage on a GPU machine that reaches no package index: fp16 and int8 (and awq4, gptq3 where
+# their libraries import) of a randomly initialised Llama large enough to matter (~0.5B parameters; memory needs no
+# trained weights), each quantized with the project's quantize stage and measured in a fresh process on the GPU with
+# its memory stage (allocator stats and NVML), then memory-report. Sized to finish in under 10 minutes on one H100/H200.
 # With more than one GPU visible it then measures fp16 and int8 again with gpus.max_memory set to 75 % of each
 # variant's weights per GPU, so each must load across GPUs (OUT_DIR/multi_gpu/<variant>.json, with the per-device
 # breakdown under `devices`); with one GPU it says that path was not exercised.
 #
-#   bash scripts/gpu_memory_check.sh [OUT_DIR]
+#   bash scripts/gpu_memory_check.sh --prepare   # here, on a machine that reaches PyPI: the wheels -> .gpu_wheels/
+#   bash scripts/gpu_memory_check.sh [OUT_DIR]   # there, from the repository root (the git working tree + .gpu_wheels/)
 #
-# Needs quantgate installed with a CUDA build of torch (docs/install.md) and a built reference
-# tokenizer (models/reference, from `dvc repro reference`). Writes OUT_DIR/memory_summary.json,
-# OUT_DIR/memory/<variant>.json and the two charts; prints the summary.
+# The GPU machine needs Python 3.12 as `python3` (or $PYTHON) with torch (CUDA), transformers, accelerate, safetensors,
+# tokenizers, psutil, nvidia-ml-py, pyyaml, numpy and scipy; the rest (pydantic and its dependencies, bitsandbytes:
+# scripts/gpu_check.py WHEELS) is installed offline from .gpu_wheels/ into a temporary folder, never into the machine's
+# site-packages. quantgate need not be installed: the stages run as `python3 -m pipelines.cli`. No dvc, mlflow,
+# lm-eval or models/reference (the tokenizer is the one shipped in reference_model/). Writes OUT_DIR (default
+# results/gpu_check): memory_summary.json, memory/<variant>.json, skipped.json, quantgate.log and, where matplotlib is
+# installed, the two charts; prints the summary. Exit 0 when every variant it ran was measured, 1 otherwise, 2 when
+# something it needs is missing (the message says what, and the command that fixes it).
+#
+# Environment: PYTHON (default python3), QUANTGATE_GPU_WHEELS (default .gpu_wheels),
+# QUANTGATE_GPU_CHECK_DEVICE=cuda|cpu and QUANTGATE_GPU_CHECK_SIZE=full|tiny (cpu + tiny: the same flow on a CPU in
+# seconds; tests/test_gpu_memory_check.py runs it so).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT="$PWD"
+PY="${PYTHON:-python3}"
+case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esac  # the check changes folder
+WHEELS="${QUANTGATE_GPU_WHEELS:-.gpu_wheels}"
+case "$WHEELS" in /*) ;; *) WHEELS="$ROOT/$WHEELS" ;; esac
+if [ "${1:-}" = "--prepare" ]; then
+  exec "$PY" scripts/gpu_check.py prepare --dest "$WHEELS"
+fi
+if ! command -v "$PY" >/dev/null; then
+  echo "gpu_memory_check: error: no $PY on PATH (set PYTHON to the Python that has torch)" >&2
+  exit 2
+fi
 OUT="${1:-${OUT:-results/gpu_check}}"
+case "$OUT" in /*) ;; *) OUT="$ROOT/$OUT" ;; esac
+DEVICE="${QUANTGATE_GPU_CHECK_DEVICE:-cuda}"
+SIZE="${QUANTGATE_GPU_CHECK_SIZE:-full}"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
-export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+step() { echo "== [${SECONDS}s] $*"; }
+
+step "packages: what $("$PY" -c 'import sys; print(sys.executable, sys.version.split()[0])') lacks, offline from $WHEELS"
+"$PY" scripts/gpu_check.py install --wheels "$WHEELS" --target "$WORK/site" || exit 2
+export PYTHONPATH="$WORK/site:$WORK${PYTHONPATH:+:$PYTHONPATH}"
+
 cp -r pipelines calibration_sets params.yaml "$WORK"/
-mkdir -p "$WORK/models" && cp -r models/reference "$WORK/models/reference"
 cd "$WORK"
-python - <<'PY'
-import torch, yaml
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
-                     num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
-model = LlamaForCausalLM(config).to(torch.float16)
-model.save_pretrained("models/random-llama")
-AutoTokenizer.from_pretrained("models/reference").save_pretrained("models/random-llama")
-params = yaml.safe_load(open("params.yaml"))
-params.update(model="models/random-llama", device="cuda")
-params["calibration"].update(samples=128)
-params["memory"].update(max_tokens=4096, rounds=10, warmup_rounds=2)
-yaml.safe_dump(params, open("params.yaml", "w"), sort_keys=False)
-print(f"random Llama: {model.num_parameters() / 1e6:.0f}M parameters")
-PY
-quantgate calibrate
-for v in fp16 int8 awq4 gptq3; do quantgate quantize "$v"; done
-for v in fp16 int8 awq4 gptq3; do quantgate memory "$v"; done
-quantgate memory-report
-NGPU=$(python -c "import torch; print(torch.cuda.device_count())")
-if [ "$NGPU" -gt 1 ]; then
-  echo "== $NGPU GPUs visible: fp16 and int8 again, each capped at 75 % of its weights per GPU, so each must split"
+QG=("$PY" -m pipelines.cli)
+step "setup: random Llama ($SIZE) on $DEVICE, params.yaml"
+"$PY" "$ROOT/scripts/gpu_check.py" setup --device "$DEVICE" --size "$SIZE" --reference "$ROOT/reference_model" || exit 2
+mapfile -t VARIANTS < variants.txt
+if [ "${#VARIANTS[@]}" -gt 2 ]; then  # awq4/gptq3 read the calibration set
+  step "calibrate"
+  "${QG[@]}" calibrate
+fi
+for v in "${VARIANTS[@]}"; do step "quantize $v"; "${QG[@]}" quantize "$v"; done
+for v in "${VARIANTS[@]}"; do step "memory $v"; "${QG[@]}" memory "$v"; done
+step "memory-report"
+"$PY" "$ROOT/scripts/gpu_check.py" memory-report
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+if [ "$DEVICE" = cuda ] && [ "$NGPU" -gt 1 ]; then
+  step "$NGPU GPUs visible: fp16 and int8 again, each capped at 75 % of its weights per GPU, so each must split"
   mkdir -p results/multi_gpu
   cp -r results/memory results/memory_first   # the runs above are what OUT_DIR/memory reports
+  cp params.yaml params.single.yaml
   for v in fp16 int8; do
-    python - "$v" <<'PY'
+    "$PY" - "$v" <<'PY'
 import glob, os, sys, yaml
 v = sys.argv[1]
 share = int(0.75 * sum(os.path.getsize(f) for f in glob.glob(f"models/variants/{v}/*.safetensors")))
@@ -55,9 +79,9 @@ params["gpus"] = {"max_memory": share}
 yaml.safe_dump(params, open("params.yaml", "w"), sort_keys=False)
 print(f"{v}: gpus.max_memory = {share} bytes per GPU")
 PY
-    quantgate memory "$v"
+    "${QG[@]}" memory "$v"
     cp "results/memory/$v.json" "results/multi_gpu/$v.json"
-    python - "$v" <<'PY'
+    "$PY" - "$v" <<'PY'
 import json, sys
 r = json.load(open(f"results/multi_gpu/{sys.argv[1]}.json"))
 devices = r.get("devices") or {}
@@ -70,13 +94,33 @@ print("  MULTI-DEVICE OK" if r["status"] == "ok" and len(devices) > 1 else
       f"  MULTI-DEVICE NOT SHOWN: {r.get('error') or 'the model stayed on one GPU'}")
 PY
   done
+  mv params.single.yaml params.yaml
   rm -rf results/memory && mv results/memory_first results/memory
+elif [ "$DEVICE" = cuda ]; then
+  step "one GPU visible: the multi-GPU path (fp16/int8 across GPUs, per-device sums) was NOT exercised by this run"
 else
-  echo "== one GPU visible: the multi-GPU path (fp16/int8 across GPUs, per-device sums) was NOT exercised by this run"
+  step "device $DEVICE: the CUDA path (allocator stats, NVML, several GPUs) was NOT exercised by this run"
 fi
-cd - >/dev/null
+cd "$ROOT"
 mkdir -p "$OUT"
-cp -r "$WORK/results/memory" "$WORK/results/memory_summary.json" "$WORK"/results/plots/*.png "$OUT"/
+rm -rf "$OUT/memory" "$OUT/multi_gpu"
+cp -r "$WORK/results/memory" "$WORK/results/memory_summary.json" "$WORK/skipped.json" "$OUT"/
+for f in "$WORK"/results/plots/*.png; do [ -e "$f" ] && cp "$f" "$OUT"/; done
 cp -r "$WORK/results/multi_gpu" "$OUT"/ 2>/dev/null || true
 cp "$WORK/logs/quantgate.log" "$OUT"/ 2>/dev/null || true
 cat "$OUT/memory_summary.json"
+step "done in ${SECONDS}s -> $OUT"
+"$PY" - "$OUT" "$DEVICE" "${VARIANTS[@]}" <<'PY'
+import json, sys
+out, device, ran = sys.argv[1], sys.argv[2], sys.argv[3:]
+rows = json.load(open(f"{out}/memory_summary.json"))["variants"]
+skipped = json.load(open(f"{out}/skipped.json"))
+bad = [f"{v}: {rows.get(v, {}).get('error', 'no result')}" for v in ran if rows.get(v, {}).get("status") != "ok"]
+bad += [f"{v}: measured on {rows[v]['device']}, not {device}" for v in ran if v in rows and rows[v].get("device")
+        not in (None, device)]
+print(f"GPU MEMORY CHECK: {'FAILED' if bad else 'OK'}: {', '.join(ran)} on {device}"
+      + (f"; {', '.join(skipped)} skipped (skipped.json says why)" if skipped else ""))
+for line in bad:
+    print(f"  {line}")
+sys.exit(1 if bad else 0)
+PY

@@ -1,9 +1,18 @@
 #!/usr/bin/env bash
-# The main job: install, then run the whole pipeline (`dvc repro`) on the model params.yaml names.
+# The main job: install, check, then run the whole pipeline (`dvc repro`) on the model params.yaml names.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# bubblewrap first, in seconds: where it cannot be installed and params.yaml runs code probes, stop now, not after
+# minutes of pip and a pipeline whose code probes would be refused (scripts/setup.sh).
+bash scripts/setup.sh --check-system
 bash scripts/setup.sh
 export PATH="$PWD/.venv/bin:$PATH"
+# What the run needs on this machine (sandbox, torch and devices, backends, MLflow, disk, model, dvc): a table.
+if ! quantgate doctor; then
+  echo "run: stopped before the pipeline: the FAIL rows above would keep it from a verdict (fix them, then run again)" >&2
+  exit 1
+fi
+echo
 dvc repro "$@"
 echo
 # The release verdict (exit 0 pass, 1 fail, 2 undecided); CI gates on it, this script only shows it.

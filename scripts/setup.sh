@@ -1,7 +1,127 @@
 #!/usr/bin/env bash
 # Create .venv (Python 3.11) and install quantgate with its pinned dependencies. Idempotent.
+#
+# First the system package the default run needs: bubblewrap (`bwrap`), the code probes' sandbox
+# (pipelines/sandbox.py). Missing, it is installed with apt-get when we are root on a machine with apt (as .ci/run
+# does); where it cannot be (not root, no apt, another OS), setup names the package and the command that installs it.
+#   bash scripts/setup.sh                 bubblewrap (only a warning if it cannot be installed: the tests that need
+#                                         it skip, unless QUANTGATE_REQUIRE_SANDBOX=1 as in CI), then .venv
+#   bash scripts/setup.sh --check-system  bubblewrap only, in seconds; exit 1 when the sandbox cannot work here and
+#                                         params.yaml runs code probes (scripts/run.sh calls it before anything else)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# Whether params.yaml runs model-written code in the sandbox: prints yes, no or unknown. grep, not Python: it must
+# answer on a fresh machine before .venv exists; `quantgate doctor` decides exactly once it does. "no" when
+# evaluate.allow_unisolated_code is true; "yes" when a request type declares runs_code: true or a standard task
+# humaneval/mbpp, or when params.yaml declares no requests (the shipped ones include `code`); "unknown" when
+# evaluate.domains picks request types (which ones run code takes the parsed file).
+code_probes_need_sandbox() {
+  local params="${1:-params.yaml}" live
+  [ -f "$params" ] || { echo unknown; return; }
+  live="$(sed 's/#.*//' "$params")"  # comments off
+  local word='(^|[[:space:]{,])'
+  if grep -Eq "${word}allow_unisolated_code:[[:space:]]*(true|True|TRUE|yes|Yes|YES|on|On|ON)([[:space:]},]|$)" <<<"$live"; then
+    echo no
+  elif ! grep -Eq "${word}runs_code:[[:space:]]*(true|True|TRUE|yes|Yes|YES|on|On|ON)([[:space:]},]|$)|(^|[^A-Za-z0-9_])(humaneval|mbpp)([^A-Za-z0-9_]|$)" <<<"$live" \
+      && grep -Eq '^requests:' <<<"$live"; then
+    echo no
+  elif grep -Eq "${word}domains:" <<<"$live"; then
+    echo unknown
+  else
+    echo yes
+  fi
+}
+
+# The command that installs bubblewrap on this machine (sudo unless root), or why there is none.
+bubblewrap_install_command() {
+  local os sudo=""
+  os="$(uname -s)"
+  if [ "$os" != Linux ]; then
+    echo "none on $os: code probes need Linux (bubblewrap and the sandbox's namespaces are Linux-only)"
+    return
+  fi
+  [ "$(id -u)" = 0 ] || sudo="sudo "
+  if command -v apt-get >/dev/null 2>&1; then echo "${sudo}apt-get install bubblewrap"
+  elif command -v dnf >/dev/null 2>&1; then echo "${sudo}dnf install bubblewrap"
+  elif command -v yum >/dev/null 2>&1; then echo "${sudo}yum install bubblewrap"
+  elif command -v pacman >/dev/null 2>&1; then echo "${sudo}pacman -S bubblewrap"
+  elif command -v zypper >/dev/null 2>&1; then echo "${sudo}zypper install bubblewrap"
+  elif command -v apk >/dev/null 2>&1; then echo "${sudo}apk add bubblewrap"
+  else echo "with your distribution's package manager (Debian/Ubuntu: sudo apt-get install bubblewrap;" \
+            "Fedora: sudo dnf install bubblewrap; Arch: sudo pacman -S bubblewrap)"
+  fi
+}
+
+# bubblewrap: present, installed here (root with apt-get, quiet, noninteractive, as .ci/run), or named with the
+# command that installs it. Returns 1 when it is still missing.
+ensure_bubblewrap() {
+  command -v bwrap >/dev/null 2>&1 && return 0
+  if [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing bubblewrap (apt-get): the sandbox model-written code runs in (pipelines/sandbox.py)"
+    local said
+    if said="$( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) 2>&1)" \
+        && command -v bwrap >/dev/null 2>&1; then
+      return 0
+    fi
+    echo "setup: apt-get could not install bubblewrap:" >&2
+    tail -n 5 <<<"$said" | sed 's/^/setup:   /' >&2
+  fi
+  return 1
+}
+
+bubblewrap_missing_message() {  # $1: "error" or "warning"
+  local how
+  how="$(bubblewrap_install_command)"
+  {
+    echo "setup: $1: bubblewrap (the bwrap command) is missing; code probes run model-written code only inside it"
+    case "$how" in
+      none*) echo "setup:   install: $how" ;;
+      *) echo "setup:   install it: $how" ;;
+    esac
+    echo "setup:   or run code probes without it: evaluate.allow_unisolated_code: true in params.yaml (weaker isolation)"
+  } >&2
+}
+
+check_system() {  # --check-system: exit 1 when the default run's code probes would be refused here
+  local needed
+  needed="$(code_probes_need_sandbox params.yaml)"
+  if ensure_bubblewrap; then
+    if [ "$needed" = yes ] && [ "$(id -u)" != 0 ]; then
+      echo "setup: error: the code probes' sandbox needs root (namespaces and the switch to uid 65534," \
+           "pipelines/sandbox.py): run as root, or set evaluate.allow_unisolated_code: true in params.yaml" >&2
+      return 1
+    fi
+    return 0
+  fi
+  case "$needed" in
+    yes)
+      bubblewrap_missing_message error
+      [ "$(id -u)" = 0 ] || echo "setup:   and run as root: the sandbox's namespaces and its switch to uid 65534 need it" >&2
+      echo "setup: stopped before installing anything: params.yaml runs code probes, which would be refused" \
+           "without the sandbox (and the verdict would be FAIL)" >&2
+      return 1 ;;
+    unknown) bubblewrap_missing_message warning; echo "setup: (quantgate doctor says, once installed, whether" \
+               "the request types params.yaml evaluates run code)" >&2 ;;
+  esac
+  return 0
+}
+
+if [ "${1:-}" = --check-system ]; then
+  check_system
+  exit $?
+fi
+
+if ! ensure_bubblewrap; then
+  if [ "${QUANTGATE_REQUIRE_SANDBOX:-}" = 1 ]; then
+    bubblewrap_missing_message error
+    echo "setup: QUANTGATE_REQUIRE_SANDBOX=1: the sandbox tests must run" >&2
+    exit 1
+  fi
+  echo "setup: note: bubblewrap (bwrap) is missing: the sandbox tests skip, and the pipeline's code probes are" \
+       "refused unless allowed unisolated (install: $(bubblewrap_install_command))" >&2
+fi
+
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 if [ ! -x .venv/bin/python ]; then

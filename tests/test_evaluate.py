@@ -94,13 +94,48 @@ def test_fidelity_texts_cover_every_kind():
     assert len({item["template"] for item in comments}) == 14  # every template before a second phrasing of any
 
 
-def test_code_probes_refused_without_isolation(monkeypatch, tiny_variants, tmp_path):
-    monkeypatch.setattr(sandbox, "isolation_available", lambda: False)
-    p = EvaluateParams(look_items=2, max_items=2, fidelity_texts=2)
-    result, items = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["code", "math"], p), p, "cpu",
-                                              tmp_path / "base.safetensors")
-    assert result["probes"]["code"]["status"] == "refused" and "allow_unisolated_code" in result["probes"]["code"]["reason"]
+def test_with_bubblewrap_hidden_code_is_not_measured_and_the_gate_cannot_decide(monkeypatch, tiny_variants, tmp_path):
+    """bwrap missing (a fresh machine): code probes are refused as this machine's failure, with the remedy; compare
+    makes the row `inconclusive` (no evidence against the variant) and the gate exits 2 naming bubblewrap."""
+    from pipelines import cli
+    from pipelines.io import read_json, write_json
+    from tests.handmade import correctness, rerun_compare, write_pipeline
+
+    real_which = sandbox.shutil.which
+    monkeypatch.setattr(sandbox.shutil, "which", lambda tool, *a, **k: None if tool == "bwrap" else real_which(tool, *a, **k))
+    sandbox.isolation_level.cache_clear()
+    try:
+        p = EvaluateParams(look_items=2, max_items=2, fidelity_texts=2)
+        result, items = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["code", "math"], p), p, "cpu",
+                                                  tmp_path / "base.safetensors")
+    finally:
+        monkeypatch.undo()
+        sandbox.isolation_level.cache_clear()
+    refused = result["probes"]["code"]
+    assert (refused["status"], refused["cause"]) == ("refused", "environment")
+    assert "apt-get install bubblewrap" in refused["remedy"] and "allow_unisolated_code" in refused["remedy"]
     assert result["probes"]["math"]["items"] == 2 and not [i for i in items if i["domain"] == "code"]
+
+    repo = tmp_path / "repo"
+    monkeypatch.chdir(repo.mkdir() or repo)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
+    n = 400
+    write_pipeline(repo, {"fp16": {d: correctness(n, 300) for d in ("math", "code")},
+                          "int8": {d: correctness(n, 300, lose=1) for d in ("math", "code")},
+                          "awq4": {d: correctness(n, 300, lose=1) for d in ("math", "code")}})
+    for name in ("fp16", "int8", "awq4"):  # every model met the same machine: its code probes were refused
+        summary = read_json(repo / f"results/eval/{name}.json")
+        summary["probes"]["code"] = refused
+        write_json(repo / f"results/eval/{name}.json", summary)
+    report, table = rerun_compare(repo)
+    row = report["variants"]["int8"]["domains"]["code"]
+    assert row["verdict"] == "inconclusive" and row["unmeasured"]["remedy"] == refused["remedy"]
+    assert report["variants"]["int8"]["domains"]["math"]["verdict"] == "pass"
+    assert {r["serve"] for r in table["rows"] if r["domain"] == "code"} == {"fp16"}
+    assert cli.main(["gate", "--variant", "int8"]) == 2
+    gated = read_json(repo / "results/gate.json")
+    assert gated["verdict"] == "undecided" and gated["variants"]["int8"]["domains"] == {"math": "pass", "code": "undecided"}
+    assert any("not measured on this machine" in r and "apt-get install bubblewrap" in r for r in gated["reasons"])
 
 
 def test_failed_variant_is_recorded(tmp_path, baseline):

@@ -127,6 +127,65 @@ def test_inconclusive_cannot_decide(repo):
     assert "more items would decide" in result["reasons"][0]
 
 
+@pytest.mark.parametrize("error, cause, code", [
+    ("ModuleNotFoundError: No module named 'awq'", {"cause": "environment", "reason": "awq cannot be imported here",
+                                                    "remedy": "install it (bash scripts/setup.sh)"}, 2),
+    ("RuntimeError: quantization blew up", {}, 1),
+])
+def test_could_not_measure_is_undecided_and_the_variants_own_failure_fails(repo, error, cause, code):
+    """A quantizer this machine lacks is no evidence against awq4 (every row inconclusive, exit 2, the remedy
+    named, nothing routed to it); a quantizer that crashed is awq4's failure (exit 1)."""
+    write_pipeline(repo, answers(awq4=GOOD))
+    manifest = read_json(repo / "models/variants/awq4/quantgate.json")
+    manifest.update(status="failed", error=error, **cause)
+    write_json(repo / "models/variants/awq4/quantgate.json", manifest)
+    shutil.rmtree(repo / "results/eval/awq4")  # what evaluate leaves for a variant that has no checkpoint
+    write_json(repo / "results/eval/awq4.json", {"variant": "awq4", "status": "failed", "error": "awq4 is not usable"})
+    _, table = rerun_compare(repo)
+    code_got, result, report = run_gate("--variant", "awq4")
+    assert (code_got, result["verdict"]) == (code, {1: "fail", 2: "undecided"}[code])
+    assert result["variants"]["awq4"]["domains"] == dict.fromkeys(("math", "code"), {1: "fail", 2: "undecided"}[code])
+    assert "awq4" not in {r["serve"] for r in table["rows"]}
+    if cause:
+        assert result["reasons"] == [f"awq4 {d}: not measured on this machine: awq cannot be imported here; remedy: "
+                                     "install it (bash scripts/setup.sh)" for d in ("math", "code")]
+        assert "| awq4 | math | **inconclusive** |" in report
+    else:
+        assert all("quantize/admit failed: RuntimeError: quantization blew up" in r for r in result["reasons"])
+
+
+def test_an_edited_could_not_measure_row_cannot_pass(repo):
+    """A hurried user marks a failed row `inconclusive` and force-commits: the gate re-derives it and refuses."""
+    write_pipeline(repo, answers())
+    edit_json(repo / "results/compare.json", lambda d: d["variants"]["awq4"]["domains"]["math"].update(
+        verdict="inconclusive", unmeasured={"reason": "no sandbox", "remedy": ""}, paired=None))
+    dvc_commit_force(repo)
+    code, result, _ = run_gate("--variant", "awq4")
+    assert (code, result["verdict"]) == (2, "undecided")
+    assert any("awq4 math: compare.json says 'inconclusive', the per-item records in the workspace give 'fail'" in r
+               for r in result["reasons"])
+
+
+@pytest.mark.parametrize("int8, awq4, verdict", [
+    (GOOD, GOOD, "pass"),
+    (None, None, "fail"),  # awq4 loses 15 points of math
+    ({d: correctness(N, 300, lose=16) for d in ("math", "code")}, GOOD, "undecided"),
+])
+def test_the_dvc_summary_gives_the_gates_verdict(repo, int8, awq4, verdict):
+    """results/summary.json (DVC's metrics) says what the gate says on the same results, row by row."""
+    from pipelines import compare
+
+    built = write_pipeline(repo, answers(int8=int8, awq4=awq4))
+    summary = compare.summary(built["report"])
+    _, result, _ = run_gate()
+    assert summary["gate"] == result["verdict"] == verdict
+    assert summary["verdict"]["awq4"] == {d: r["verdict"] for d, r in built["report"]["variants"]["awq4"]["domains"].items()}
+    math_row = built["report"]["variants"]["int8"]["domains"]["math"]["paired"]
+    assert (summary["difference"]["int8"]["math"], summary["ci_low"]["int8"]["math"], summary["items"]["int8"]["math"]) \
+        == (round(math_row["difference"], 3), round(math_row["ci_low"], 3), N)
+    assert summary["memory_saving_pct"] == {"int8": 25.0, "awq4": 35.0}
+
+
 # --- stale and forged inputs, as a hurried user makes them (issue: each of these passed before) ----------
 
 def test_replaced_checkpoint_weights_cannot_pass(repo):

@@ -265,7 +265,7 @@ def assert_evaluation_failed(project: Path, variant: str, error: str) -> None:
     assert (project / "results/eval" / variant / "items.jsonl").read_text() == ""
     assert no_leftovers(project / "results") == []
     inputs = compare.load_inputs([variant], project / "results", project / "models/variants")[variant]
-    assert compare._upstream_failure(inputs) == f"evaluation failed: {error}"
+    assert compare._upstream_failure(inputs) == (f"evaluation failed: {error}", None)
 
 
 def test_evaluate_worker_oom_killed_is_that_variants_failure(project):
@@ -338,4 +338,4 @@ def test_quantize_worker_killed_or_hung_is_recorded_in_the_manifest(project):
     from pipelines import compare
 
     inputs = compare.load_inputs(["slow"], project / "results", variants)["slow"]
-    assert compare._upstream_failure(inputs) == f"quantize/admit failed: quantize slow died ({OOM})"
+    assert compare._upstream_failure(inputs) == (f"quantize/admit failed: quantize slow died ({OOM})", None)

@@ -121,7 +121,8 @@ def parents_and_children(client: MlflowClient, experiment: str) -> tuple[list, d
     exp = client.get_experiment_by_name(experiment)
     runs = client.search_runs([exp.experiment_id], max_results=1000)
     parents = [r for r in runs if r.data.tags.get("quantgate.kind") == "pipeline"]
-    children = {p.info.run_id: sorted(r.info.run_name for r in runs if r.data.tags.get("mlflow.parentRunId") == p.info.run_id)
+    children = {p.info.run_id: sorted(r.data.tags["quantgate.variant"] for r in runs  # run names carry the verdicts
+                                      if r.data.tags.get("mlflow.parentRunId") == p.info.run_id)
                 for p in parents}
     return parents, children
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -84,10 +85,20 @@ def test_a_failing_quantizer_is_recorded_and_loader_refuses(tmp_path, tiny_model
     bad = VariantParams(method="gptq", bits=3, group_size=48)  # 48 does not divide the 64-wide layers
     source = ModelSource("local", str(tiny_model))
     m, _ = quantize.quantize_variant("gptq3g48", bad, source, tiny_calibration, "cpu", tmp_path)
-    assert m["status"] == "failed" and m["error"]
+    assert m["status"] == "failed" and m["error"] and "cause" not in m  # the variant's own failure, not the machine's
     assert [p.name for p in (tmp_path / "gptq3g48").iterdir()] == ["quantgate.json"]
     with pytest.raises(VariantFailed, match="gptq3g48 is not usable"):
         load_variant(tmp_path / "gptq3g48")
+
+
+def test_a_backend_this_machine_lacks_is_recorded_as_the_machines_failure(monkeypatch, tmp_path, tiny_model,
+                                                                            tiny_calibration):
+    """gptqmodel not importable: the manifest says so with the remedy (compare makes the rows `inconclusive`)."""
+    monkeypatch.setitem(sys.modules, "gptqmodel", None)  # `from gptqmodel import ...` now raises ImportError
+    m, _ = quantize.quantize_variant("gptq3", VariantParams(method="gptq", bits=3, group_size=64),
+                                     ModelSource("local", str(tiny_model)), tiny_calibration, "cpu", tmp_path)
+    assert (m["status"], m["cause"]) == ("failed", "environment")
+    assert m["reason"].startswith("gptqmodel cannot be imported here") and "quantgate doctor" in m["remedy"]
 
 
 def test_missing_calibration_set_is_a_recorded_failure(tmp_path, tiny_model):

@@ -68,8 +68,13 @@ def test_parent_and_child_runs_with_metrics_params_and_tags(recorded):
     assert parent.data.tags["git.commit"] == "abc123"
     assert parent.data.params["variants.awq4.bits"] == "4" and parent.data.params["evaluate.domains"] == '["math", "code"]'
     assert exp.artifact_location == (root / "artifacts").resolve().as_uri()
-    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
+    children = {r.data.tags["quantgate.variant"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id}
     assert set(children) == {"fp16", "int8", "awq4"}
+    # the name is what MLflow's runs table shows without choosing columns: the verdicts, failing request types first
+    assert {n: r.info.run_name for n, r in children.items()} == {
+        "fp16": "fp16 · baseline", "int8": "int8 · pass: math, code", "awq4": "awq4 · fail: math · pass: code"}
+    assert {r.data.tags["mlflow.runType"] for r in children.values()} == {"evaluation"}  # parents open expanded
+    assert "mlflow.runType" not in parent.data.tags
     int8 = children["int8"]
     assert int8.data.metrics["math/accuracy"] == pytest.approx(299 / 400)
     assert int8.data.metrics["math/difference"] == pytest.approx(-1 / 400)
@@ -91,6 +96,74 @@ def test_parent_and_child_runs_with_metrics_params_and_tags(recorded):
     assert artifacts == {"results/int8.json", "results/quantgate.json"}
     assert [a.path for a in client.list_artifacts(int8.info.run_id, "eval")] == ["eval/items.jsonl"]
     assert [a.path for a in client.list_artifacts(int8.info.run_id, "plots")] == ["plots/pareto.png"]
+
+
+def test_parent_run_carries_each_variants_numbers_per_request_type(recorded):
+    """What MLflow's comparison of two pipeline runs (two experiments) puts side by side."""
+    root, built, uri, summary = recorded
+    parent = MlflowClient(uri).get_run(summary["parent_run_id"])
+    m = parent.data.metrics
+    assert m["math/awq4/accuracy"] == pytest.approx(240 / 400) and m["math/awq4/accuracy_fp16"] == pytest.approx(0.75)
+    assert m["math/awq4/difference"] == pytest.approx(-60 / 400) and m["math/awq4/items"] == 400
+    assert m["math/awq4/ci_low"] < m["math/awq4/difference"] < m["math/awq4/ci_high"]
+    assert m["math/awq4/flip_rate"] == pytest.approx(60 / 400)
+    assert m["code/int8/difference"] == pytest.approx(-1 / 400) and m["code/fp16/accuracy"] == pytest.approx(0.75)
+    assert not any(k.startswith("math/fp16/") and k != "math/fp16/accuracy" for k in m)
+    t = parent.data.tags
+    assert (t["verdict.awq4"], t["verdict.awq4.math"], t["verdict.awq4.code"], t["verdict.int8.math"]) == \
+        ("fail", "fail", "pass", "pass")
+
+
+def test_child_description_names_the_deciding_numbers(recorded):
+    root, built, uri, summary = recorded
+    client, exp, runs = runs_of(uri)
+    awq4 = next(r for r in runs if r.data.tags.get("quantgate.variant") == "awq4")
+    text = awq4.data.tags["mlflow.note.content"]
+    assert "**awq4: fail** against fp16" in text
+    assert "| math | fail | -15.0 | [" in text and "| code | pass | +0.0 |" in text
+    assert "- math: accuracy drops 0.150" in text
+
+
+def saved_view(client, exp_id) -> tuple[dict, dict]:
+    envelope = json.loads(client.get_experiment(exp_id).tags[record.VIEW_TAG])
+    return envelope, json.loads(envelope["state"])
+
+
+def test_the_experiment_has_a_saved_view_of_verdicts_and_deciding_numbers(recorded):
+    """MLflow 3.17's saved view (its "Views" menu, or the link `record` returns): verdict tag and deciding metric
+    columns per request type, in that order; tests/test_mlflow_ui.py checks a browser shows it."""
+    root, built, uri, summary = recorded
+    client = MlflowClient(uri)
+    envelope, state = saved_view(client, summary["experiment_id"])
+    assert summary["view"] == f"#/experiments/{summary['experiment_id']}/runs?viewStateShareKey=quantgate-verdicts"
+    assert envelope["name"] == record.VIEW_NAME and isinstance(envelope["createdAt"], int)
+    assert state["selectedColumns"] == [
+        "tags.`verdict.math`", "tags.`verdict.code`", "metrics.`math/ci_low`", "metrics.`code/ci_low`",
+        "metrics.`math/difference`", "metrics.`code/difference`", "metrics.`math/flip_rate`", "metrics.`code/flip_rate`",
+        "metrics.`math/kl/p99`", "metrics.`code/kl/p99`", "metrics.`memory/growth_excess_pct`"]
+    assert state["columnOrder"] == ["attributes.`Run Name`", *state["selectedColumns"]]
+    # recording other results with another request type keeps the earlier ones; nothing changes when nothing is new
+    envelope["state"] = json.dumps({**state, "selectedColumns": state["selectedColumns"][:1]})  # as if a person saved it
+    client.set_experiment_tag(summary["experiment_id"], record.VIEW_TAG, json.dumps(envelope))
+    report = {"domains": ["sql"], "variants": {}}
+    record.write_verdict_view(client, summary["experiment_id"], report)
+    assert saved_view(client, summary["experiment_id"])[1]["selectedColumns"] == state["selectedColumns"][:1]  # theirs
+
+
+def test_the_saved_view_grows_with_new_request_types(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp_id = client.create_experiment("views", artifact_location=(tmp_path / "a").as_uri())
+    record.write_verdict_view(client, exp_id, {"domains": ["math", "code"], "variants": {}})
+    first = client.get_experiment(exp_id).tags[record.VIEW_TAG]
+    record.write_verdict_view(client, exp_id, {"domains": ["math", "code"], "variants": {}})
+    assert client.get_experiment(exp_id).tags[record.VIEW_TAG] == first  # unchanged: not rewritten
+    report = {"domains": ["sql"], "variants": {"int8": {"domains": {"sql": {"checks": {"kl": {"percentile": "p95"}}}}}}}
+    record.write_verdict_view(client, exp_id, report)
+    envelope, state = saved_view(client, exp_id)
+    tags = [c for c in state["selectedColumns"] if c.startswith("tags.")]
+    assert tags == ["tags.`verdict.math`", "tags.`verdict.code`", "tags.`verdict.sql`"]
+    assert "metrics.`sql/kl/p95`" in state["selectedColumns"] and envelope["createdAt"] == json.loads(first)["createdAt"]
 
 
 def test_tables_and_dataset_inputs(recorded):
@@ -256,6 +329,18 @@ def test_the_classifiers_accuracy_is_logged_on_the_parent_run(tmp_path):
     assert "plots/classifier_confusion.png" in plots
 
 
+def test_a_format_2_recording_is_recorded_again_with_the_verdict_names(recorded):
+    """Recorded before run names carried verdicts and the parent the per-type numbers: `record` replaces it."""
+    root, built, uri, first = recorded
+    client = MlflowClient(uri)
+    client.set_tag(first["parent_run_id"], record.FORMAT_TAG, "2")
+    again = record.record_pipeline(built["params"], uri, built["digest"], {}, root=root, artifact_root=root / "artifacts")
+    assert again["status"] == "recorded" and again["parent_run_id"] != first["parent_run_id"]
+    names = {client.get_run(i).info.run_name for i in again["children"].values()}
+    assert names == {"fp16 · baseline", "int8 · pass: math, code", "awq4 · fail: math · pass: code"}
+    assert "math/awq4/difference" in client.get_run(again["parent_run_id"]).data.metrics
+
+
 def test_a_recording_in_the_old_format_is_recorded_again(recorded):
     """A store recorded before checkpoints were stored (its versions name a workspace folder) is replaced, but
     never its production version."""
@@ -293,7 +378,7 @@ def test_a_changed_verdict_is_a_new_parent_run_and_moves_the_registry(recorded):
     assert summary["status"] == "recorded" and summary["parent_run_id"] != first["parent_run_id"]
     client = MlflowClient(uri)
     int8 = next(r for r in client.search_runs([client.get_experiment_by_name("handmade").experiment_id])
-                if r.data.tags.get("mlflow.parentRunId") == summary["parent_run_id"] and r.info.run_name == "int8")
+                if r.data.tags.get("mlflow.parentRunId") == summary["parent_run_id"] and r.data.tags["quantgate.variant"] == "int8")
     assert int8.data.tags["verdict"] != "pass"
     assert "candidate" not in client.get_registered_model("quantgate-reference").aliases
     # params set back: those results were recorded already, nothing new is written, and the alias follows
