@@ -349,10 +349,14 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
     mem = _memory_summary(mem_rows.get(name), mem_rows.get(BASELINE))
     row = {"kind": inputs.get("kind", "variant"), "memory": mem, "domains": {}}
     judged: dict[str, dict] = {}
+    # the memory stage measured this checkpoint and it failed there (OOM, a crash): the variant's own evidence,
+    # which an evaluation this machine could not run does not excuse
+    checkpoint_made = (inputs.get("manifest") or {}).get("status") == "ok"
+    memory_failed = checkpoint_made and mem is None
     # task rows first: the domain's row needs their verdicts
     for domain, plan in sorted(plans.items(), key=lambda kv: not standard_tasks.is_task_row(kv[0])):
         policy = p.policy_for(plan.get("domain", domain))
-        if unmeasured and not base_failure:  # nothing was measured, so there is no evidence against the variant
+        if unmeasured and not base_failure and not memory_failed:  # nothing measured: no evidence against the variant
             judged[domain] = _unmeasured_row(unmeasured, policy)
             continue
         reasons = []
@@ -365,6 +369,9 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
             reasons.append(f"memory stage failed: {memory_error}" if memory_error else "no memory results")
         probe = (inputs["eval"] or {}).get("probes", {}).get(domain) if not failure else None
         probe_unmeasured = _unmeasured(probe) if not failure and (probe or {}).get("status") != "ok" else None
+        base_probe = ((base_inputs or {}).get("eval") or {}).get("probes", {}).get(domain)
+        if not failure and not probe_unmeasured and (base_probe or {}).get("status") != "ok":
+            probe_unmeasured = _unmeasured(base_probe)  # fp16 could not be measured here: nothing to pair with
         if not failure and (probe is None or probe.get("status") != "ok") and not probe_unmeasured:
             reasons.append(f"probe not run: {(probe or {}).get('reason', 'missing')}")
         if reasons:
@@ -450,7 +457,8 @@ VERDICT_COLOURS = {"pass": "tab:green", "inconclusive": "tab:orange", "fail": "t
 def summary(report: dict) -> dict:
     """results/summary.json, the pipeline's only DVC metrics: per variant and request type the verdict, the
     difference, the interval's low end and the items; per variant the memory saving and growth excess; and the
-    gate's verdict on these results. Verdicts come first, so `dvc exp show --only-changed` at a terminal's width
+    gate's verdict on these rows (what `quantgate gate` says unless it finds the workspace changed since: it checks
+    `dvc status` and re-derives every row, compare only judged them). Verdicts come first, so `dvc exp show --only-changed` at a terminal's width
     shows the rows whose verdict changed before the numbers; compare.json keeps everything else."""
     def rounded(value, digits: int):
         return round(float(value), digits) if usable(value) else None

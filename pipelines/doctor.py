@@ -162,7 +162,7 @@ def sandbox_check(params) -> Check:
         return Check("sandbox", WARN, f"{label} ({level}): {why_text}; {', '.join(rows)} run anyway because "
                                       "evaluate.allow_unisolated_code is true", sandbox_remedy(why_text))
     return Check("sandbox", FAIL, f"{label}: {why_text}; the code probes ({', '.join(rows)}) would be refused and "
-                                  "their rows fail the gate", sandbox_remedy(why_text))
+                                  "their rows could not be decided (gate exit 2)", sandbox_remedy(why_text))
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def _backend_check(label: str, method: str, settings: list, device: str | None) 
     if method == "bnb-int8":
         have, missing = _libraries([("bitsandbytes", "bitsandbytes")])
         if missing:
-            return Check(label, FAIL, "bitsandbytes is not installed: these variants would be recorded as failed",
+            return Check(label, FAIL, "bitsandbytes is not installed: these variants could not be measured (inconclusive)",
                          "bash scripts/setup.sh (pyproject.toml pins bitsandbytes)")
         if device is None:
             return Check(label, WARN, f"{have[0]}; kernel not checked: no usable device (see device)")
@@ -322,7 +322,7 @@ def _backend_check(label: str, method: str, settings: list, device: str | None) 
         need = [("gptqmodel", "gptqmodel")] + ([("autoawq", "awq")] if backends - {"gptqmodel"} else [])
         have, missing = _libraries(need)
         if missing:
-            return Check(label, FAIL, f"{' and '.join(missing)} not installed: these variants would be recorded as failed",
+            return Check(label, FAIL, f"{' and '.join(missing)} not installed: these variants could not be measured (inconclusive)",
                          "bash scripts/setup.sh (pyproject.toml pins autoawq and gptqmodel)")
         how = "autoawq quantizes" if backends - {"gptqmodel"} else "GPTQModel quantizes"
         kernel = ("GPTQModel's TorchAtenAwqLinear (torch, any device) runs it on the CPU, as docs/quantize.md measured"
@@ -331,7 +331,7 @@ def _backend_check(label: str, method: str, settings: list, device: str | None) 
     if method == "gptq":
         have, missing = _libraries([("gptqmodel", "gptqmodel")])
         if missing:
-            return Check(label, FAIL, "gptqmodel not installed: these variants would be recorded as failed",
+            return Check(label, FAIL, "gptqmodel not installed: these variants could not be measured (inconclusive)",
                          "bash scripts/setup.sh (pyproject.toml pins gptqmodel)")
         bits = sorted({s.bits for s in settings})
         if device == "cuda":
@@ -628,7 +628,8 @@ def summary(checks: list[Check], seconds: float) -> str:
     if fails:
         return (f"quantgate doctor: {len(fails)} of {len(checks)} checks fail ({', '.join(fails)}): the run could not "
                 f"give a verdict; fix them first (exit 1; checks took {seconds:.1f} s)")
-    return (f"quantgate doctor: {len(checks)} checks ok" + (f", {len(warns)} warning(s) ({', '.join(warns)})" if warns else "")
+    return (f"quantgate doctor: {len(checks) - len(warns)} of {len(checks)} checks ok"
+            + (f", {len(warns)} warning(s) ({', '.join(warns)})" if warns else "")
             + f": the run can give a verdict (checks took {seconds:.1f} s)")
 
 

@@ -91,8 +91,10 @@ def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int
                 summary[d] = {"task": configs[d]["task"] if d in configs else probes[d]["task"], "status": "refused",
                               "score": None, "stderr": None, "items": 0, "cause": ENVIRONMENT,
                               "reason": f"sandbox isolation unavailable here ({sandbox.isolation_level()[1] or 'no bwrap'})",
-                              "remedy": "install bubblewrap (apt-get install bubblewrap; `quantgate doctor` checks it), "
-                                        "or set evaluate.allow_unisolated_code: true to run code probes anyway"}
+                              "remedy": "make the sandbox work here (`quantgate doctor` names what is missing; on "
+                                        "Debian/Ubuntu as root: apt-get install bubblewrap) or set "
+                                        "evaluate.allow_unisolated_code: true, then measure again: "
+                                        "dvc repro --force --downstream baseline"}
             requests = {d: ids for d, ids in requests.items() if d not in running_code}
         os.environ["QUANTGATE_ALLOW_UNISOLATED_CODE"] = "1" if allow_unisolated_code else "0"
     tasks = {configs[d]["task"] if d in configs else probes[d]["task"]: d for d in requests}

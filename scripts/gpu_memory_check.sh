@@ -30,6 +30,7 @@ case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esa
 WHEELS="${QUANTGATE_GPU_WHEELS:-.gpu_wheels}"
 case "$WHEELS" in /*) ;; *) WHEELS="$ROOT/$WHEELS" ;; esac
 if [ "${1:-}" = "--prepare" ]; then
+  [ -n "${PYTHON:-}" ] || [ ! -x .venv/bin/python ] || PY="$ROOT/.venv/bin/python"  # its pip; a bare python3 may have none
   exec "$PY" scripts/gpu_check.py prepare --dest "$WHEELS"
 fi
 if ! command -v "$PY" >/dev/null; then

@@ -114,6 +114,9 @@ def test_with_bubblewrap_hidden_code_is_not_measured_and_the_gate_cannot_decide(
     refused = result["probes"]["code"]
     assert (refused["status"], refused["cause"]) == ("refused", "environment")
     assert "apt-get install bubblewrap" in refused["remedy"] and "allow_unisolated_code" in refused["remedy"]
+    assert refused["remedy"].endswith("dvc repro --force --downstream baseline")  # DVC sees no changed input
+    if os.geteuid() == 0:  # as root the sandbox probe reaches bwrap; it is what is missing
+        assert "bwrap not found" in refused["reason"]
     assert result["probes"]["math"]["items"] == 2 and not [i for i in items if i["domain"] == "code"]
 
     repo = tmp_path / "repo"
@@ -129,6 +132,7 @@ def test_with_bubblewrap_hidden_code_is_not_measured_and_the_gate_cannot_decide(
         write_json(repo / f"results/eval/{name}.json", summary)
     report, table = rerun_compare(repo)
     row = report["variants"]["int8"]["domains"]["code"]
+    assert report["variants"]["awq4"]["domains"]["code"]["verdict"] == "inconclusive"
     assert row["verdict"] == "inconclusive" and row["unmeasured"]["remedy"] == refused["remedy"]
     assert report["variants"]["int8"]["domains"]["math"]["verdict"] == "pass"
     assert {r["serve"] for r in table["rows"] if r["domain"] == "code"} == {"fp16"}

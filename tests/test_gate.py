@@ -154,6 +154,33 @@ def test_could_not_measure_is_undecided_and_the_variants_own_failure_fails(repo,
         assert all("quantize/admit failed: RuntimeError: quantization blew up" in r for r in result["reasons"])
 
 
+def test_a_baseline_this_machine_could_not_measure_leaves_the_row_undecided(repo):
+    """fp16's code probes were refused here (no sandbox) but int8's ran (bubblewrap installed, then only the
+    variants re-evaluated): nothing to pair with, so `inconclusive`, not a fail against int8."""
+    write_pipeline(repo, answers(awq4=GOOD))
+    edit_json(repo / "results/eval/fp16.json", lambda d: d["probes"].update(code={
+        "task": "quantgate_code", "status": "refused", "cause": "environment", "reason": "sandbox isolation unavailable",
+        "remedy": "dvc repro --force --downstream baseline"}))
+    report, _ = rerun_compare(repo)
+    assert report["variants"]["int8"]["domains"]["code"]["verdict"] == "inconclusive"
+    assert report["variants"]["int8"]["domains"]["math"]["verdict"] == "pass"
+    code, result, _ = run_gate("--variant", "int8")
+    assert (code, result["variants"]["int8"]["domains"]) == (2, {"math": "pass", "code": "undecided"})
+
+
+def test_a_memory_failure_is_not_excused_by_an_evaluation_this_machine_could_not_run(repo):
+    write_pipeline(repo, answers(awq4=GOOD))
+    write_json(repo / "results/eval/awq4.json", {"variant": "awq4", "status": "failed", "error": "ImportError: lm_eval",
+                                                "cause": "environment", "reason": "lm_eval cannot be imported here",
+                                                "remedy": "install it"})
+    edit_json(repo / "results/memory_summary.json", lambda d: d["variants"].update(
+        awq4={"status": "failed", "error": "OutOfMemoryError: CUDA out of memory"}))
+    rerun_compare(repo)
+    code, result, _ = run_gate("--variant", "awq4")
+    assert (code, result["verdict"]) == (1, "fail")
+    assert any("memory stage failed: OutOfMemoryError" in r for r in result["reasons"])
+
+
 def test_an_edited_could_not_measure_row_cannot_pass(repo):
     """A hurried user marks a failed row `inconclusive` and force-commits: the gate re-derives it and refuses."""
     write_pipeline(repo, answers())

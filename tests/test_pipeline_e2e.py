@@ -406,6 +406,8 @@ def test_the_readme_ci_example_runs_as_printed(pipeline_run, tmp_path):
     by_command = {run.split("#")[0].strip(): (rc, out) for run, rc, out in results}
     setup = by_command["bash scripts/setup.sh"]
     assert setup[0] == 0 and "installing quantgate" not in setup[1], log
+    doctor = by_command["quantgate doctor"]
+    assert doctor[0] == 0 and "the run can give a verdict" in doctor[1], log
     repro = next(v for k, v in by_command.items() if re.search(r"\bdvc repro\b", k))
     assert repro[0] == 0 and "Running stage 'record'" in repro[1], log
     assert "command not found" not in log, log
