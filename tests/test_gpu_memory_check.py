@@ -64,7 +64,10 @@ def norm(name: str) -> str:
 
 
 def _installed() -> dict[str, importlib.metadata.Distribution]:
-    return {norm(d.metadata["Name"]): d for d in importlib.metadata.distributions()}
+    """This .venv's own site-packages only: other sys.path entries an earlier test or import added (setuptools puts
+    its `_vendor` folder, with its own packaging-*.dist-info, on sys.path) would shadow the venv's copies."""
+    purelib = sysconfig.get_paths()["purelib"]
+    return {norm(d.metadata["Name"]): d for d in importlib.metadata.distributions(path=[purelib])}
 
 
 def _closure(names, dists) -> set[str]:

@@ -422,7 +422,8 @@ def test_code_tasks_are_refused_without_isolation_unless_allowed(monkeypatch, co
     assert items == []
     assert {k: (r["task"], r["status"]) for k, r in summary.items()} == \
         {"code:humaneval": ("humaneval", "refused"), "code:mbpp": ("mbpp", "refused")}
-    assert "allow_unisolated_code" in summary["code:mbpp"]["reason"]
+    assert summary["code:mbpp"]["cause"] == "environment"  # this machine's, not the model's: the row is inconclusive
+    assert "allow_unisolated_code" in summary["code:mbpp"]["remedy"]
 
 
 def test_a_changed_code_task_definition_is_refused():
