@@ -21,9 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks import measured  # noqa: E402
-from pipelines import evaluate, fidelity, logs  # noqa: E402
-from pipelines.models import load_variant  # noqa: E402
-from pipelines.params import DEFAULT_PROBES as PROBES  # noqa: E402
+from pipelines import evaluate, logs  # noqa: E402
+from pipelines.evaluation import fidelity
+from pipelines.models.loading import load_variant  # noqa: E402
+from pipelines.core.params import DEFAULT_PROBES as PROBES  # noqa: E402
 
 DOMAINS = ["math", "chat", "code_comment"]  # code probes add sandbox time that bare lm-eval would not have
 

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import measured  # noqa: E402
 from pipelines import compare, sequential  # noqa: E402
-from pipelines.params import PolicyParams  # noqa: E402
+from pipelines.core.params import PolicyParams  # noqa: E402
 
 MARGIN = 0.05
 POLICY = PolicyParams(max_accuracy_drop=MARGIN, max_flip_rate=1.0, kl_percentile="p99", max_kl=1.0,
@@ -86,7 +86,7 @@ def main() -> None:
     measured.add_arguments(parser, "gate_operating")
     args = parser.parse_args()
     if args.confidence is None:
-        from pipelines.params import load_params
+        from pipelines.core.params import load_params
 
         args.confidence = load_params(Path(__file__).resolve().parents[1] / "params.yaml").compare.confidence
     alpha = (1 - args.confidence) / 2

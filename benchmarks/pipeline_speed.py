@@ -8,7 +8,7 @@ In a fresh copy of this checkout (the files git tracks or would track, as a clon
 3. `dvc repro` after changing only the calibration recipe (`calibration.samples`): which stages ran
    (goal: only calibrate, the calibrated variants and what depends on them; fp16 and int8 stay);
 4. `quantgate route lookup` as a command (goal <= 0.5 s wall and <= 80 MiB peak RSS, median of 5);
-5. the importable router (`pipelines.router.Router`): time per lookup and per classify-and-lookup
+5. the importable router (`pipelines.routing.router.Router`): time per lookup and per classify-and-lookup
    (goal <= 50 microseconds a lookup).
 Each line prints the measurement, the goal and their ratio, and the run is written to
 docs/measured/pipeline_speed.json (README.md's speed table is made from it; --no-record: print only).
@@ -98,7 +98,7 @@ def main() -> None:
         line("quantgate route lookup, peak RSS (median of 5)", statistics.median(peaks), "MiB", 80)
         numbers.update(lookup_wall_seconds=statistics.median(walls), lookup_peak_rss_mib=round(statistics.median(peaks), 1))
 
-        from pipelines.router import Router
+        from pipelines.routing.router import Router
 
         router = Router.from_file(repo / "results/routing_table.json")
         n = 100_000

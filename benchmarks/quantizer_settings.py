@@ -6,7 +6,7 @@
 
 Each argument is a variant's settings (params.yaml `variants.<name>`). Each is quantized by the quantize
 stage's own code from params.yaml's model and calibration set, on params.yaml's device, then measured two ways:
-- fidelity against fp16: KL and same top-1 over every token of the baseline's fidelity texts (`pipelines.fidelity`;
+- fidelity against fp16: KL and same top-1 over every token of the baseline's fidelity texts (`pipelines.evaluation.fidelity`;
   `evaluate.fidelity_texts` items per domain, drawn from the probe pools across their families, prompt and answer);
 - per domain whose probe task generates an answer (math, code, code_comment here): the whole pool answered greedily
   by fp16 and by the variant, lost / gained counted as exact matches with the task's target. For code that is the
@@ -37,10 +37,11 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from benchmarks import measured  # noqa: E402
-from pipelines import fidelity, logs  # noqa: E402
+from pipelines.evaluation import fidelity
+from pipelines import logs  # noqa: E402
 from pipelines.evaluate import full_text, probe_items  # noqa: E402
-from pipelines.models import load_variant, resolve_device, resolve_model  # noqa: E402
-from pipelines.params import VariantParams, load_params  # noqa: E402
+from pipelines.models.loading import load_variant, resolve_device, resolve_model  # noqa: E402
+from pipelines.core.params import VariantParams, load_params  # noqa: E402
 from pipelines.quantize import quantize_variant  # noqa: E402
 from pipelines.reference import greedy_completions  # noqa: E402
 

@@ -1,5 +1,5 @@
 """quantgate: validate quantized LLM checkpoints before release (see README.md)."""
 
-from pipelines.logs import apply_library_env
+from pipelines.core.logs import apply_library_env
 
 apply_library_env()  # before any library import: GPTQModel reads its worker count once, at import

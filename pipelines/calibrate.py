@@ -18,19 +18,17 @@ from pathlib import Path
 import numpy as np
 from scipy.spatial.distance import jensenshannon
 
-from pipelines import synthetic
-from pipelines.classify import UNDECIDED, Classifier
-from pipelines.code_comments import bare_functions, extract
-from pipelines.errors import QuantgateError
-from pipelines.io import atomic_dir, read_jsonl, sha256_file, sha256_text, write_json
-from pipelines.params import CALIBRATED_METHODS, METHODS, CalibrationParams, CoverageParams, SourceParams
-from pipelines.pii import mask
+from pipelines.text import synthetic
+from pipelines.text.classify import UNDECIDED, Classifier
+from pipelines.text.code_comments import bare_functions, extract
+from pipelines.core.errors import QuantgateError
+from pipelines.core.io import atomic_dir, read_jsonl, sha256_file, sha256_text, write_json
+from pipelines.core.params import CALIBRATED_METHODS, METHODS, CalibrationParams, CoverageParams, SourceParams
+from pipelines.text.pii import mask
+from pipelines.core.paths import BUILT_DIR, COVERAGE_DIR, METHOD_DIR
 
 log = logging.getLogger(__name__)
 
-BUILT_DIR = Path("calibration_sets/built")
-METHOD_DIR = "by_method"  # built/by_method/<method>.jsonl: the calibration texts a quantization method reads
-COVERAGE_DIR = Path("results/calibration")
 LENGTH_BINS = [0, 8, 16, 32, 64, 128, 256, 512, 1024, 1 << 30]
 MATH_LINES_PER_SAMPLE = 6
 
@@ -358,7 +356,7 @@ def load_traffic(cov: CoverageParams) -> tuple[list[str], list[str | None]]:
 
 def plot_coverage(report: dict, out_dir: Path = COVERAGE_DIR) -> None:
     """A bar chart (PNG) and its data for `dvc plots`: production vs calibration share per domain."""
-    from pipelines.plots import grouped_bars
+    from pipelines.core.plots import grouped_bars
 
     rows = [{"domain": d, "set": kind, "share": v[f"{kind}_share"]}
             for d, v in report["domains"].items() for kind in ("production", "calibration")]
@@ -373,7 +371,7 @@ def plot_coverage(report: dict, out_dir: Path = COVERAGE_DIR) -> None:
 def plot_classifier(measured: dict, out_dir: Path = COVERAGE_DIR) -> None:
     """The confusion matrix as a heatmap (PNG, counts in the cells, shaded by share of the true type's requests),
     and one {actual, predicted} row per labelled request for `dvc plots` (its confusion template)."""
-    from pipelines.plots import plt, save
+    from pipelines.core.plots import plt, save
 
     types, columns = list(measured["confusion"]), measured["columns"]
     write_json(out_dir / "classifier_predictions.json",
@@ -414,3 +412,43 @@ def run(recipe: CalibrationParams, cov: CoverageParams, tokenizer, tokenizer_nam
     write_json(coverage_dir / "classifier.json", report["classifier"])
     plot_classifier(report["classifier"], coverage_dir)
     return report
+
+
+def main() -> int:
+    """Stage `calibrate`: build the domain calibration sets and check their coverage against production traffic."""
+    from pipelines.core.params import load_params
+    from pipelines.models.loading import load_tokenizer, resolve_model
+
+    params = load_params()
+    source = resolve_model(params.model)
+    report = run(params.calibration, params.coverage, load_tokenizer(source), source.location)
+    for domain, row in report["domains"].items():
+        log.info("calibrate: %-12s production %5.1f%%  calibration %5.1f%%  n-gram coverage %s%s", domain,
+                 100 * row["production_share"], 100 * row["calibration_share"],
+                 "-" if row["ngram_coverage"] is None else f"{100 * row['ngram_coverage']:.0f}%",
+                 "  UNDER-REPRESENTED" if row["under_represented"] else "")
+    measured = report["classifier"]
+
+    def percent(accuracy: float | None) -> str:
+        return "-" if accuracy is None else f"{100 * accuracy:.1f}%"
+
+    log.info("calibrate: classifier accuracy %s on %d labelled requests (%s), confusion matrix in %s",
+             percent(measured["accuracy"]), measured["labelled_requests"],
+             ", ".join(f"{t} {percent(v['accuracy'])}" for t, v in measured["types"].items()),
+             COVERAGE_DIR / "classifier_confusion.png")
+    log.info("calibrate: sets in %s, coverage in %s", BUILT_DIR, COVERAGE_DIR / "coverage.json")
+    problems = []
+    if report["under_represented"]:
+        problems.append(f"calibration set under-represents {', '.join(report['under_represented'])} "
+                        f"against {params.coverage.traffic} ({report['rule']})")
+    if report["classifier_flagged"]:
+        problems.append("the classifier recognises too few labelled requests of " + ", ".join(
+            f"{t} ({100 * measured['types'][t]['accuracy']:.1f}%, {measured['types'][t]['correct']}/"
+            f"{measured['types'][t]['requests']})" for t in report["classifier_flagged"])
+            + f" in {params.coverage.traffic}, below coverage.min_classifier_accuracy "
+            f"{params.coverage.min_classifier_accuracy}; the coverage shares of those types are not to be trusted")
+    for message in problems:
+        if params.coverage.on_gap == "fail":
+            raise QuantgateError("; ".join(problems) + "; coverage.on_gap is 'fail'")
+        log.warning("calibrate: warning: %s", message)
+    return 0

@@ -3,7 +3,7 @@
 A verdict is `pass` only when every limit of the domain's policy was checked on a real number:
 a missing, NaN or placeholder value, items that do not pair with fp16's or do not follow the look
 plan, a missing baseline or a failed upstream stage all give `fail` (the gate then tells a missing
-baseline apart as "could not decide"). The accuracy rule is non-inferiority (pipelines/sequential.py):
+baseline apart as "could not decide"). The accuracy rule is non-inferiority (pipelines/judging/sequential.py):
 `pass` when the interval's low end is at or above -margin, `fail` when the point estimate is below
 -margin, `inconclusive` only when the interval straddles -margin after the last look. `inconclusive` never routes and never releases.
 `judge` is the one function that turns numbers into a verdict; `gate` calls it again to re-derive.
@@ -21,15 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from pipelines import sequential, standard_tasks, stats
-from pipelines.evaluate import EVAL_DIR, PLACEHOLDERS, row_of
-from pipelines.errors import ENVIRONMENT, QuantgateError
-from pipelines.io import read_json, read_jsonl
-from pipelines.params import CompareParams, EvaluateParams, PolicyParams
+from pipelines.judging import sequential, stats
+from pipelines.evaluation import standard_tasks
+from pipelines.evaluation.plans import PLACEHOLDERS, by_id, correctness, plan_summary, probe_plans, row_of
+from pipelines.core.errors import ENVIRONMENT, QuantgateError
+from pipelines.core.io import read_json, read_jsonl
+from pipelines.core.params import CompareParams, EvaluateParams, PolicyParams
+from pipelines.core.paths import BASELINE, COMPARE_REPORT as REPORT, SUMMARY
 
-BASELINE = "fp16"
-REPORT = Path("results/compare.json")  # the stage's report: verdicts and the numbers behind them
-SUMMARY = Path("results/summary.json")  # DVC's only metrics file: the decision in a few columns (`summary`)
 VERDICTS = ("pass", "inconclusive", "fail")
 MIN_FIDELITY_TOKENS = 100  # llama.cpp prints no KL summary below 100 scored tokens
 
@@ -39,42 +38,6 @@ def usable(value) -> bool:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     return math.isfinite(value) and value not in PLACEHOLDERS
-
-
-def probe_plans(domains: list[str], p: EvaluateParams, eval_dir: Path = EVAL_DIR) -> dict[str, dict]:
-    """Per row: the pool size, the look sizes, the pool's evaluation order and each item's family.
-
-    Rows are the domains, then each domain's standard tasks (`<domain>:<task>`, items `<task>:<doc_id>`, each
-    its own family; the plan also keeps the row's domain, task and settings).
-    """
-    plans = {}
-    for domain in domains:
-        path = eval_dir / domain / "items.jsonl"
-        items = read_jsonl(path) if path.is_file() else []
-        ids = [str(item.get("id")) for item in items]
-        seen: dict[str, int] = {}
-        for line, item_id in enumerate(ids, start=1):
-            if item_id in seen:  # lm-eval would score one of them twice and the looks would count it twice
-                raise QuantgateError(f"{path}:{line}: duplicate item id {item_id!r} (first on line {seen[item_id]})")
-            seen[item_id] = line
-        plans[domain] = {"pool": len(ids), "looks": sequential.plan(len(ids), p.look_items, p.max_items, p.max_looks),
-                         "order": sequential.ordered(ids, domain), "probe": p.probes[domain].model_dump(),
-                         # an item without a family (missing or null) is a family of its own
-                         "families": {str(item.get("id")): f"item:{item.get('id')}" if item.get("family") is None
-                                      else str(item["family"]) for item in items}}
-    for domain in domains:
-        for spec in p.tasks.get(domain, []):
-            key = standard_tasks.row_key(domain, spec.name)
-            ids = [standard_tasks.item_id(spec.name, n) for n in range(standard_tasks.doc_count(domain, spec, str(eval_dir)))]
-            plans[key] = {"pool": len(ids), "looks": sequential.plan(len(ids), p.look_items, p.max_items, p.max_looks),
-                          "order": sequential.ordered(ids, key), "families": {i: f"item:{i}" for i in ids},
-                          "domain": domain, "task": spec.name, "spec": spec.model_dump()}
-    return plans
-
-
-def plan_summary(plans: dict[str, dict]) -> dict[str, dict]:
-    """What compare.json keeps of a plan: pool size and look sizes (the order is recomputed from the items)."""
-    return {d: {"pool": plan["pool"], "looks": plan["looks"]} for d, plan in plans.items()}
 
 
 def load_inputs(names: list[str], results: Path, variants_dir: Path) -> dict[str, dict]:
@@ -118,11 +81,6 @@ def _unmeasured(record: dict | None) -> dict | None:
     return {"reason": str(record.get("reason") or record.get("error") or "unknown"), "remedy": str(record.get("remedy") or "")}
 
 
-def by_id(items: list[dict], domain: str) -> dict[str, dict]:
-    """One row's per-item records keyed by their stable item id: a domain's probe items, or `<domain>:<task>`'s."""
-    return {str(row.get("item_id")): row for row in items if row_of(row) == domain}
-
-
 def pairing_problems(base: dict[str, dict], variant: dict[str, dict], ids: list[str],
                      base_name: str = BASELINE) -> list[str]:
     """Why the two models' records of `ids` cannot be paired: missing items, other prompts, no true/false."""
@@ -145,10 +103,6 @@ def pairing_problems(base: dict[str, dict], variant: dict[str, dict], ids: list[
     if any(not isinstance(base[i].get("correct"), bool) or not isinstance(variant[i].get("correct"), bool) for i in both):
         problems.append("an item has no true/false correctness")
     return problems
-
-
-def correctness(rows: dict[str, dict]) -> dict[str, bool]:
-    return {i: row.get("correct") is True for i, row in rows.items()}
 
 
 def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, policy: PolicyParams,
@@ -485,7 +439,7 @@ def plot_all(report: dict, out_dir: Path) -> list[Path]:
     """Accuracy against memory per domain (Pareto front), flips per variant, KL percentiles."""
     import matplotlib.pyplot as plt
 
-    from pipelines.plots import save
+    from pipelines.core.plots import save
 
     domains = report["domains"]
     base = report["fp16"]
@@ -552,3 +506,43 @@ def plot_all(report: dict, out_dir: Path) -> list[Path]:
     fig.suptitle("Token-level KL percentiles", fontsize=9)
     paths.append(save(fig, out_dir / "kl_percentiles.png"))
     return paths
+
+
+def main() -> int:
+    """Stage `compare`: paired A/B of every variant against fp16 per domain, verdicts, table and plots."""
+    import logging
+
+    import pandas as pd
+
+    from pipelines.core.io import atomic_write_text, write_json
+    from pipelines.core.lineage import lock_digest, stage_digests
+    from pipelines.core.params import load_params
+    from pipelines.core.paths import COMPARE_TABLE, PLOTS_DIR, RESULTS, VARIANTS_DIR
+
+    log = logging.getLogger(__name__)
+    params = load_params()
+    plans = probe_plans(params.evaluate.domains, params.evaluate)
+    report = compare_all(list(params.variants), list(params.candidates), plans, params.compare, RESULTS, VARIANTS_DIR)
+    report["dvc_lock_sha256"] = lock_digest()  # what `gate` checks the results against
+    report["dvc_lock_stages"] = stage_digests()  # and, when they differ, names the stages that changed since
+    write_json(REPORT, report)
+    write_json(SUMMARY, summary(report))  # DVC's metrics: `dvc exp show`, `dvc metrics diff`
+    atomic_write_text(COMPARE_TABLE, pd.DataFrame(flat_rows(report)).to_csv(index=False))
+    write_json(PLOTS_DIR / "differences.json",  # a DVC data plot: `dvc plots diff` across experiments
+               [{"row": f"{r['variant']} {r['domain']}", "difference": r["difference"], "ci_low": r["ci_low"],
+                 "verdict": r["verdict"]} for r in flat_rows(report)])
+    plot_all(report, PLOTS_DIR)
+    if report["fp16"]["status"] != "ok":
+        log.warning("compare: baseline fp16 unusable (%s): every verdict is fail", report["fp16"]["error"])
+    for name, v in report["variants"].items():
+        for domain, d in v["domains"].items():
+            paired = d.get("paired")
+            numbers = (f"{paired['items']} items  acc {paired['accuracy']:.3f} vs {paired['accuracy_fp16']:.3f}  "
+                       f"diff {paired['difference']:+.3f} [{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}]  "
+                       f"flips -{paired['correct_to_wrong']}/+{paired['wrong_to_correct']}") if paired else ""
+            log.info("compare %-8s %-12s %-12s %s", name, domain, d["verdict"].upper(), numbers)
+            if d["verdict"] != "pass":
+                log.info("    %s", "; ".join(d["reasons"]))
+    log.info("compare: results/compare.json, results/summary.json, results/compare.csv, "
+             "results/plots/{pareto,flips,kl_percentiles}.png")
+    return 0

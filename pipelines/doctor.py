@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from pipelines.errors import QuantgateError
+from pipelines.core.errors import QuantgateError
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 SYSCTL = Path("/proc/sys")  # where the kernel's user-namespace switches are read (a test points it elsewhere)
@@ -48,7 +48,7 @@ class Check:
 
 def run_checks(params_path: str | Path = "params.yaml") -> list[Check]:
     """Every check, in the order the run needs them. Never raises: a check that breaks is a `fail` row saying how."""
-    from pipelines.params import load_params
+    from pipelines.core.params import load_params
 
     checks: list[Check] = []
     params = None
@@ -144,7 +144,7 @@ def sandbox_remedy(why: str) -> str:
 
 def sandbox_check(params) -> Check:
     """The sandbox's real probe (sandbox.isolation_level) against what the run does with it."""
-    from pipelines import sandbox
+    from pipelines.core import sandbox
 
     level, why = sandbox.isolation_level()
     label = {sandbox.FULL: "full", sandbox.NAMESPACES: "namespaces only", sandbox.WEAK: "weak"}.get(level, level)
@@ -182,7 +182,7 @@ def _torch_checks(params) -> tuple[str | None, list[Check]]:
     checks = [Check("torch", OK, f"torch {torch.__version__} ({build})")]
     setting = params.device if params is not None else "auto"
     try:
-        from pipelines.models import resolve_device
+        from pipelines.models.loading import resolve_device
 
         device = resolve_device(setting)
     except QuantgateError as err:
@@ -193,7 +193,7 @@ def _torch_checks(params) -> tuple[str | None, list[Check]]:
         why = "" if setting == "cpu" else " (torch sees no CUDA device)" if torch.version.cuda else " (a CPU build of torch)"
         checks.append(Check("device", OK, f"device: {setting} -> cpu{why}"))
         return device, checks
-    from pipelines.models import gpu_budget
+    from pipelines.models.loading import gpu_budget
 
     totals, gpus = [], []
     for i in range(torch.cuda.device_count()):
@@ -251,7 +251,7 @@ def bnb_int8_works(device: str) -> str:
     against the fp32 layer on a 4 x 64 input. Returns what was measured; raises when the kernel does not work."""
     import torch
 
-    from pipelines.logs import library_output
+    from pipelines.core.logs import library_output
 
     with library_output("bitsandbytes"):
         import bitsandbytes as bnb
@@ -365,7 +365,7 @@ def _hub_cached(repo: str, filename: str) -> Path | None:
 def model_check(params) -> Check:
     """The model params.yaml names: the shipped reference, a checkpoint folder with config.json, or a hub id the run
     can reach. Its config.json is read; its weights are not."""
-    from pipelines.models import resolve_model
+    from pipelines.models.loading import resolve_model
 
     try:
         source = resolve_model(params.model)
@@ -486,7 +486,7 @@ def _existing(path: Path) -> Path:
 
 def disk_check(params) -> Check:
     """Free disk where models/ and DVC's cache are against the checkpoints this run writes (an estimate, stated)."""
-    from pipelines.models import resolve_model
+    from pipelines.models.loading import resolve_model
 
     try:
         source = resolve_model(params.model)
@@ -547,10 +547,10 @@ def size(n: float) -> str:
 
 
 def mlflow_check(uri: str | None = None) -> Check:
-    """The tracking store the record stage writes to (cli.tracking_uri: MLFLOW_TRACKING_URI, else mlflow.db at the
+    """The tracking store the record stage writes to (store.tracking.tracking_uri: MLFLOW_TRACKING_URI, else mlflow.db at the
     repository root): a SQLite file's folder writable, a server answering /health, a database's port open."""
     if uri is None:
-        from pipelines.cli import tracking_uri
+        from pipelines.store.tracking import tracking_uri
 
         uri = tracking_uri()
     version = _version("mlflow")
@@ -665,3 +665,14 @@ def print_table(checks: list[Check], seconds: float, file=None) -> None:
         return
     print(plain_table(checks), file=file)
     print(summary(checks, seconds), file=file, flush=True)
+
+
+def main(params: str = "params.yaml") -> int:
+    """`quantgate doctor`: what the configured run needs on this machine, as a table; exit 1 when the run could not
+    give a verdict."""
+    import time
+
+    started = time.perf_counter()
+    checks = run_checks(params)
+    print_table(checks, time.perf_counter() - started)
+    return exit_code(checks)

@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipelines.errors import QuantgateError
+from pipelines.core.errors import QuantgateError
+from pipelines.core.paths import BASELINE
 
 log = logging.getLogger(__name__)
 
-BASELINE = "fp16"
 PR_SET_PDEATHSIG = 1
 THREAD_COUNTS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # torch obeys both (MKL's wins)
 
@@ -237,7 +237,7 @@ def record_failure(root: Path, stage: Stage, cause: str, env: dict) -> None:
         raise QuantgateError(f"{stage.name}: could not record its failure ({done.stderr.strip()[-500:]})")
 
 
-def run(root: Path, params, address: str | None, env: dict | None = None) -> dict:
+def run_chains(root: Path, params, address: str | None, env: dict | None = None) -> dict:
     """The whole fan-out; returns what ran where, what failed, and what was committed."""
     import ray
 
@@ -303,7 +303,7 @@ def _gather(refs: dict[str, object], stages: dict[str, Stage]) -> dict[str, dict
     import ray
     from ray.exceptions import RayError
 
-    from pipelines import logs
+    from pipelines.core import logs
 
     by_ref = {ref: name for name, ref in refs.items()}
     raw: dict[str, dict | Exception] = {}
@@ -332,3 +332,21 @@ def _gather(refs: dict[str, object], stages: dict[str, Stage]) -> dict[str, dict
                          {"stage": name, "ok": False, "error": f"its Ray task failed after the retries: "
                                                                f"{type(got).__name__}: {str(got).strip().splitlines()[0][:500]}"})
     return results
+
+
+def main(address: str | None = None, report: str | None = None) -> int:
+    """`quantgate fanout`: the per-variant chains as Ray tasks on a cluster, then `dvc commit` of what ran."""
+    from pipelines.core.io import write_json
+    from pipelines.core.params import load_params
+
+    done = run_chains(Path(os.environ.get("DVC_ROOT", ".")).resolve(), load_params(), address)
+    if report:
+        write_json(Path(report), done)
+    for name, row in done["ran"].items():
+        log.info("fanout %-16s %7.1f s on %s", name, row["seconds"], row["node"])
+    for name, why in done["failed"].items():
+        log.warning("fanout %-16s FAILED, recorded: %s", name, why)
+    log.info("fanout: %d stages ran, %d failed (recorded), %d up to date; dvc.lock records them. Next: dvc repro "
+             "(memory-report, compare, route, record)%s", len(done["ran"]), len(done["failed"]),
+             len(done["skipped_up_to_date"]), f"; wall time {done['wall_seconds']} s" if "wall_seconds" in done else "")
+    return 0

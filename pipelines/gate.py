@@ -14,9 +14,11 @@ from __future__ import annotations
 import math
 import shlex
 
-from pipelines import lineage, standard_tasks, stats
+from pipelines.core import lineage
+from pipelines.evaluation import standard_tasks
+from pipelines.judging import stats
 from pipelines.compare import BASELINE, by_id, pairing_problems, rederive, usable
-from pipelines.params import Params
+from pipelines.core.params import Params
 
 EXIT = {"pass": 0, "fail": 1, "undecided": 2}
 KEY_NUMBERS = ("items", "difference", "ci_low", "ci_high", "correct_to_wrong", "wrong_to_correct", "design_effect")
@@ -253,7 +255,7 @@ def render_report(result: dict, report: dict | None, table: dict | None) -> str:
     return "\n".join(lines)
 
 
-def promote(tracking_uri: str, model_name: str, result: dict, params: Params, digest: str) -> dict:
+def promote_candidate(tracking_uri: str, model_name: str, result: dict, params: Params, digest: str) -> dict:
     """Move `production` to the `candidate` version when it was gated here, its stored checkpoint still has
     the registered hashes, and it regresses against nothing."""
     from pipelines.record import using_store
@@ -266,9 +268,9 @@ def _promote(client, model_name: str, result: dict, params: Params, digest: str)
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipelines.errors import QuantgateError
-    from pipelines.io import read_jsonl
-    from pipelines.models import VARIANTS_DIR
+    from pipelines.core.errors import QuantgateError
+    from pipelines.core.io import read_jsonl
+    from pipelines.models.loading import VARIANTS_DIR
     from pipelines.record import (CANDIDATE_ALIAS, CHECKPOINT_TAG, DIGEST_TAG, MANIFEST, PRODUCTION_ALIAS,
                                   listed_digest, verify_version)
 
@@ -312,3 +314,79 @@ def _promote(client, model_name: str, result: dict, params: Params, digest: str)
     client.set_registered_model_alias(model_name, PRODUCTION_ALIAS, candidate.version)
     before = f"replaces version {production.version}" if production is not None else "first production version"
     return {"status": "promoted", "version": str(candidate.version), "detail": f"{label} is now {PRODUCTION_ALIAS} ({before})"}
+
+
+def main(variant: list[str] | None = None, promote: bool = False) -> int:
+    """`quantgate gate`: the release verdict; exit 0 pass, 1 fail, 2 could not decide (any exception included)."""
+    import logging
+    import os
+    import sys
+
+    from pipelines.core.io import atomic_write_text, read_json, write_json
+    from pipelines.core.paths import GATE_REPORT, GATE_RESULT
+
+    result = {"verdict": "undecided", "gated": variant or [], "results_digest": None, "reasons": []}
+    report = fresh = table = None
+    try:
+        from pipelines.core.errors import QuantgateError
+        from pipelines.core.lineage import git_commit, lock_digest, results_digest, stage_digests, workspace_changes
+        from pipelines.core.params import load_params
+        from pipelines.core.paths import COMPARE_REPORT, MLFLOW_RUN, RESULTS, ROUTING_TABLE, VARIANTS_DIR
+        from pipelines.evaluation.plans import probe_plans
+        from pipelines.judging.comparison import compare_all
+
+        params = load_params()
+        unknown = [n for n in variant or [] if n not in params.variants and n not in params.candidates]
+        if unknown:
+            raise QuantgateError(f"--variant {unknown[0]!r} is neither a variant nor a candidate in params.yaml")
+        if BASELINE in (variant or []):
+            raise QuantgateError(f"--variant {BASELINE}: fp16 is the baseline every variant is judged against")
+        changes = workspace_changes()
+        report = read_json(COMPARE_REPORT) if COMPARE_REPORT.is_file() else None
+        table = read_json(ROUTING_TABLE) if ROUTING_TABLE.is_file() else None
+        if not changes:  # recompute the comparison from the per-item records: the same function compare ran
+            fresh = compare_all(list(params.variants), list(params.candidates),
+                                probe_plans(params.evaluate.domains, params.evaluate), params.compare, RESULTS,
+                                VARIANTS_DIR)
+        result = decide(report, fresh, params, changes, lock_digest(), variant or None, stage_digests())
+        digest = results_digest()
+        result["results_digest"] = digest
+        result["git"] = git_commit()
+        if MLFLOW_RUN.is_file():
+            run = read_json(MLFLOW_RUN)
+            if run.get("results_digest") == digest:
+                result.update(mlflow_run_id=run.get("parent_run_id"), experiment=params.mlflow.experiment)
+        if promote:
+            if result["verdict"] == "pass":
+                from pipelines.store.tracking import tracking_uri
+
+                result["promotion"] = promote_candidate(tracking_uri(), params.registered_model_name(), result, params,
+                                                        digest)
+                if result["promotion"]["status"] == "refused":
+                    result["verdict"] = "fail"
+                    result["reasons"].append(f"promotion refused: {result['promotion']['detail']}")
+            else:
+                result["promotion"] = {"status": "refused", "detail": f"the gate did not pass ({result['verdict']})"}
+    except Exception as err:  # noqa: BLE001 - fail closed: any error is "could not decide", exit 2
+        logging.getLogger("pipelines").debug("gate error", exc_info=True)
+        result["verdict"] = "undecided"
+        result["reasons"].append(f"the gate could not finish: {type(err).__name__}: {err}")
+    result["exit_code"] = EXIT[result["verdict"]]
+    try:
+        write_json(GATE_RESULT, result)
+        atomic_write_text(GATE_REPORT, render_report(result, fresh or report, table))
+    except Exception as err:  # noqa: BLE001
+        print(f"quantgate gate: could not write results/gate.json: {err}", file=sys.stderr)
+        return 2
+    lines = [f"quantgate gate: {result['verdict'].upper()} (exit {result['exit_code']}) for "
+             f"{', '.join(result['gated']) or 'nothing'}", *[f"  - {reason}" for reason in result["reasons"][:12]]]
+    if len(result["reasons"]) > 12:
+        lines.append(f"  ... {len(result['reasons']) - 12} more in results/gate.json")
+    if result.get("promotion"):
+        lines.append(f"  promotion: {result['promotion']['status']}: {result['promotion']['detail']}")
+    lines.append("  results/gate.json, results/report.md")
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # `quantgate gate | head -1`: the reader left, the verdict's exit code stands
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return result["exit_code"]

@@ -10,8 +10,8 @@ and NVML (process and device memory, which also counts the CUDA context and kern
 CPU, `allocated` and `reserved` come from glibc's `mallinfo2()` (bytes in use vs bytes the heap
 holds, so 1 - allocated/reserved is the same fragmentation ratio), and `process` is the RSS.
 
-This module measures; `pipelines/memory_verdict.py` judges (leak verdict, growth against fp16) and
-`pipelines/memory_plots.py` draws the charts.
+This module measures; `pipelines/measure/memory_verdict.py` judges (leak verdict, growth against fp16) and
+`pipelines/measure/memory_plots.py` draws the charts.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import psutil
 import torch
 from scipy import stats
 
-from pipelines import logs
-from pipelines.isolation import run_isolated
-from pipelines.memory_verdict import leak_verdict
-from pipelines.models import load_variant, model_devices, variant_manifest
-from pipelines.params import MemoryParams
+from pipelines.core import logs
+from pipelines.core.isolation import run_isolated
+from pipelines.measure.memory_verdict import leak_verdict
+from pipelines.models.loading import load_variant, model_devices, variant_manifest
+from pipelines.core.params import MemoryParams
 
 log = logging.getLogger(__name__)
 
@@ -538,3 +538,37 @@ def _measure_logged(variant_dir: str, p: MemoryParams, device: str, leak_bytes_p
                     leak_rounds: int | None, log_file: str, max_memory: dict | None = None) -> dict:
     logs.setup(log_file=Path(log_file))
     return measure(variant_dir, p, device, leak_bytes_per_round, leak_rounds, max_memory)
+
+
+def main(variant: str, failed_because: str | None = None, inject_leak_bytes: int = 0,
+         inject_leak_rounds: int | None = None) -> int:
+    """Stage `memory@<variant>`: measure one variant's memory in a fresh process; a variant that failed earlier is
+    recorded as failed."""
+    from pipelines.core.io import write_json
+    from pipelines.core.params import load_params
+    from pipelines.core.paths import MEMORY_RESULTS, VARIANTS_DIR
+    from pipelines.models.loading import resolve_device
+
+    params = load_params()
+    params.model_under_test(variant)
+    device = resolve_device(params.device)
+    if failed_because:  # `quantgate fanout` records a run that died outside the stage (docs/fanout.md)
+        write_json(MEMORY_RESULTS / f"{variant}.json", {"variant": variant, "device": device, "status": "failed",
+                                                        "error": failed_because})
+        log.warning("memory %s: recorded as FAILED (%s)", variant, failed_because)
+        return 0
+    with logs.progress(total=1, desc=f"memory {variant} ({device})", bar_format="{desc}: {elapsed}") as bar:
+        result = measure_isolated(str(VARIANTS_DIR / variant), params.memory, device, inject_leak_bytes,
+                                  inject_leak_rounds, params.gpus.shares())
+        bar.update()
+    if inject_leak_bytes:
+        result["injected_leak"] = {"bytes_per_round": inject_leak_bytes, "rounds": inject_leak_rounds}
+    write_json(MEMORY_RESULTS / f"{variant}.json", result)
+    if result["status"] == "ok":
+        sw = result["sweep"]
+        log.info("memory %s: footprint %s B, KV %.0f B/token fitted (theory %d), soak: %s",
+                 variant, f"{result['load']['footprint_bytes']:,}", sw["fitted_bytes_per_token"],
+                 sw["theoretical_kv_bytes_per_token"], result["leak"]["reason"])
+    else:
+        log.warning("memory %s: FAILED (%s)", variant, result["error"])
+    return 0

@@ -5,7 +5,7 @@ folder and nothing else. This module adds what every variant needs the same way:
 the manifest (`quantgate.json`) with settings, library versions, calibration hash, bytes on disk
 against theory, and sha256 of every file; wall time and peak memory go to a metrics file. A quantizer that throws is
 recorded as that variant's failure; the other variants go on. The stage runs quantize_variant in its own process
-(pipelines/isolation.py): one that crashes or hangs is recorded the same way (record_failure).
+(pipelines/core/isolation.py): one that crashes or hangs is recorded the same way (record_failure).
 """
 
 from __future__ import annotations
@@ -23,16 +23,15 @@ from pathlib import Path
 
 import torch
 
-from pipelines.errors import QuantgateError, environment_cause
-from pipelines.io import atomic_dir, sha256_file, write_json
-from pipelines.logs import library_output
-from pipelines.models import ModelSource, VARIANTS_DIR, device_map_for, dtype_of, gpu_budget
-from pipelines.calibrate import METHOD_DIR
-from pipelines.params import CALIBRATED_METHODS, VariantParams
+from pipelines.core.errors import QuantgateError, environment_cause
+from pipelines.core.io import atomic_dir, sha256_file, write_json
+from pipelines.core.logs import library_output
+from pipelines.models.loading import ModelSource, VARIANTS_DIR, device_map_for, dtype_of, gpu_budget
+from pipelines.core.params import CALIBRATED_METHODS, VariantParams
+from pipelines.core.paths import BUILT_DIR, MANIFEST, METHOD_DIR, QUANTIZE_RESULTS
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "quantgate.json"
 LIBRARIES = ("torch", "transformers", "autoawq", "gptqmodel", "bitsandbytes", "safetensors", "accelerate")
 
 
@@ -58,10 +57,10 @@ def _fp16_baseline(job: Job, out: Path) -> None:
 def _bnb_int8(job: Job, out: Path) -> None:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from pipelines.models import gpu_totals
+    from pipelines.models.loading import gpu_totals
 
     device_map, budget = job.device, None
-    if job.device == "cuda":  # several GPUs (or a budget): across them, GPU 0 first (pipelines/models.py)
+    if job.device == "cuda":  # several GPUs (or a budget): across them, GPU 0 first (pipelines/models/loading.py)
         device_map, budget = device_map_for("bnb-int8", "cuda", torch.cuda.device_count(),
                                             gpu_budget(job.max_memory, gpu_totals()))
     spread = {"max_memory": budget} if device_map != job.device else {}
@@ -261,3 +260,40 @@ def _write_failure(out_dir: Path, manifest: dict) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
     with atomic_dir(out_dir) as tmp:
         write_json(tmp / MANIFEST, manifest)
+
+
+def main(variant: str, failed_because: str | None = None) -> int:
+    """Stage `quantize@<variant>`: quantize one variant in its own process; its failure (an exception, a crash, a
+    hang past quantize.timeout_seconds) is recorded in its manifest and the stage still succeeds."""
+    from pipelines.core import logs
+    from pipelines.core.isolation import run_isolated
+    from pipelines.core.params import load_params
+    from pipelines.models.loading import resolve_device, resolve_model
+
+    params = load_params()
+    settings = params.variants.get(variant)
+    if settings is None:
+        params.model_under_test(variant)  # names what exists
+        raise QuantgateError(f"{variant!r} is a candidate: use `quantgate admit {variant}`")
+    source = resolve_model(params.model)
+    device = resolve_device(params.device)
+    if failed_because:  # `quantgate fanout` records a run that died outside the stage (docs/fanout.md)
+        record_failure(variant, settings, source, device, failed_because)
+        write_json(QUANTIZE_RESULTS / f"{variant}.json", {"variant": variant, "status": "failed"})
+        log.warning("quantize %s: recorded as FAILED (%s)", variant, failed_because)
+        return 0
+    with logs.progress(total=1, desc=f"quantize {variant} ({settings.method})", bar_format="{desc}: {elapsed}") as bar:
+        done, error = run_isolated(quantize_variant,
+                                   (variant, settings, source, BUILT_DIR, device, VARIANTS_DIR, params.gpus.shares()),
+                                   params.quantize.timeout_seconds, f"quantize {variant}", logs.current_log_file)
+        bar.update()
+    manifest, timing = (record_failure(variant, settings, source, device, error), {}) if error else done
+    write_json(QUANTIZE_RESULTS / f"{variant}.json", {"variant": variant, "status": manifest["status"], **timing})
+    if manifest["status"] == "ok":
+        log.info("quantize %s: %s in %.1fs, %s weight bytes on disk (theory %s) -> models/variants/%s",
+                 variant, settings.method, timing["quantize_seconds"],
+                 f"{manifest['disk_bytes']['weights']:,}", f"{manifest['theoretical_weight_bytes']['total']:,}", variant)
+    else:
+        log.warning("quantize %s: FAILED (%s); recorded in models/variants/%s/quantgate.json",
+                    variant, manifest["error"], variant)
+    return 0

@@ -35,10 +35,11 @@ import pandas as pd
 from mlflow import MlflowClient
 
 from pipelines.compare import BASELINE, flat_rows, usable
-from pipelines.errors import QuantgateError
-from pipelines.io import read_json, read_jsonl, sha256_file
-from pipelines.params import DERIVED_FROM_REQUESTS, Params
+from pipelines.core.errors import QuantgateError
+from pipelines.core.io import read_json, read_jsonl, sha256_file
+from pipelines.core.params import DERIVED_FROM_REQUESTS, Params
 from pipelines.route import weights_sha256
+from pipelines.core.paths import MANIFEST
 
 KIND_TAG = "quantgate.kind"
 DIGEST_TAG = "quantgate.results_digest"  # sha256 of every dvc.lock entry but record's (lineage.results_digest)
@@ -48,7 +49,6 @@ PRODUCTION_ALIAS = "production"
 FORMAT_TAG = "quantgate.record_format"  # on the parent run; a finished recording in an older format is recorded again
 RECORD_FORMAT = "3"  # 3: child runs named by their verdicts, per-type numbers on the parent, the saved view;
                     # 2: passing checkpoints stored as artifacts (1 registered the workspace folder by path)
-MANIFEST = "quantgate.json"  # a variant folder's manifest (quantize.MANIFEST; repeated so record imports no torch)
 CHECKPOINT_PATH = "checkpoint"  # artifact folder of a passing variant's child run: the gated files
 CHECKPOINT_HASHES = "checkpoint.json"  # beside it: {"sha256": digest, "files": {name: sha256}}
 CHECKPOINT_TAG = "checkpoint.sha256"  # on the child run and the model version: checkpoint_digest(files)
@@ -430,7 +430,7 @@ def log_checkpoint(folder: Path) -> dict:
 
 def _dataset_inputs(paths: list[tuple[str, Path]], context: str) -> None:
     """JSONL files as MLflow dataset inputs of the active run, named and tagged with their sha256."""
-    from pipelines.io import sha256_file
+    from pipelines.core.io import sha256_file
 
     for name, path in paths:
         if not path.is_file():
@@ -758,3 +758,42 @@ def fetch_checkpoint(tracking_uri: str, model_name: str, ref: str, dest: Path | 
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return {**summary, "status": "fetched", "bytes": sum((dest / n).stat().st_size for n in files)}
+
+
+def main() -> int:
+    """Stage `record`: everything into MLflow (parent + child runs, tables, datasets), passing variants into the registry."""
+    import logging
+
+    from pipelines.core import logs
+    from pipelines.core.io import write_json
+    from pipelines.core.lineage import git_commit, results_digest
+    from pipelines.core.params import load_params
+    from pipelines.core.paths import MLFLOW_RUN
+    from pipelines.store.tracking import artifact_root, tracking_uri
+
+    log = logging.getLogger(__name__)
+    params = load_params()
+    digest = results_digest()
+    if digest is None:
+        raise QuantgateError("dvc.lock not found: record runs inside `dvc repro`, after the stages it records")
+    uri = tracking_uri()
+    with logs.library_output("mlflow"):
+        summary = record_pipeline(params, uri, digest, git_commit(), artifact_root=artifact_root())
+    write_json(MLFLOW_RUN, {**summary, "tracking_uri": uri, "results_digest": digest,
+                            "registered_model": params.registered_model_name()})
+    if summary["status"] == "already recorded":
+        log.info("record: results %s already recorded as run %s: nothing written", digest[:12], summary["parent_run_id"])
+    else:
+        log.info("record: parent run %s with %d child runs in experiment %r (%s)", summary["parent_run_id"],
+                 len(summary["children"]), params.mlflow.experiment, uri)
+        for row in summary["registered"]:
+            log.info("record: registered %s as %s version %s", row["variant"], params.registered_model_name(), row["version"])
+        if summary["registered"]:
+            log.info("record: alias 'candidate' -> version %s (%s)", summary["registered"][-1]["version"],
+                     summary["registered"][-1]["variant"])
+        elif not summary.get("unregistered"):
+            log.info("record: no variant passed every domain: nothing registered, alias 'candidate' removed")
+        for row in summary.get("unregistered") or []:
+            log.warning("record: %s passed but is NOT registered: %s", row["variant"], row["reason"])
+    log.info("record: `quantgate ui` opens the MLflow UI")
+    return 0

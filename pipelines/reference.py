@@ -16,17 +16,16 @@ from pathlib import Path
 
 import torch
 
-from pipelines import synthetic
-from pipelines.code_comments import CommentSample, extract
-from pipelines.io import atomic_dir, write_json
-from pipelines.logs import progress
-from pipelines.params import ReferenceParams
-from pipelines.probes import chat_items
+from pipelines.text import synthetic
+from pipelines.text.code_comments import CommentSample, extract
+from pipelines.core.io import atomic_dir, write_json
+from pipelines.core.logs import progress
+from pipelines.core.params import ReferenceParams
+from pipelines.text.probes import chat_items
+from pipelines.core.paths import CODE_SOURCES, SHIPPED_REFERENCE_DIR as SHIPPED_DIR
 
 log = logging.getLogger(__name__)
 
-CODE_SOURCES = Path("calibration_sets/sources/code")
-SHIPPED_DIR = Path("reference_model")  # the trained weights, shipped with the recipe that made them
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]
 
 
@@ -352,7 +351,7 @@ def build(p: ReferenceParams, out_dir: Path, report_path: Path) -> dict:
 
 def recipe(p: ReferenceParams) -> dict:
     """What the trained weights are a function of: the settings and the training text (sha256)."""
-    from pipelines.io import sha256_text
+    from pipelines.core.io import sha256_text
 
     return {"reference": p.model_dump(mode="json"),
             "corpus_sha256": sha256_text("\x00".join(build_corpus(p).documents))}
@@ -367,8 +366,8 @@ def from_shipped(p: ReferenceParams, out_dir: Path, report_path: Path, shipped: 
     """
     import shutil
 
-    from pipelines.errors import QuantgateError
-    from pipelines.io import read_json, sha256_file
+    from pipelines.core.errors import QuantgateError
+    from pipelines.core.io import read_json, sha256_file
 
     meta = shipped / "recipe.json"
     if not meta.is_file():
@@ -403,7 +402,7 @@ def ship(p: ReferenceParams, shipped: Path = SHIPPED_DIR) -> dict:
     import shutil
     import tempfile
 
-    from pipelines.io import read_json, sha256_file
+    from pipelines.core.io import read_json, sha256_file
 
     with tempfile.TemporaryDirectory() as tmp:
         report = build(p, Path(tmp) / "model", Path(tmp) / "reference.json")
@@ -427,7 +426,7 @@ def function_pass_rate(model, tokenizer, cases: list[tuple[str, int]], batch_siz
 
     None when the sandbox cannot isolate on this machine: model-written code never runs unisolated here.
     """
-    from pipelines.sandbox import isolation_available, run_python
+    from pipelines.core.sandbox import isolation_available, run_python
 
     if not isolation_available():
         return None
@@ -442,3 +441,33 @@ def function_pass_rate(model, tokenizer, cases: list[tuple[str, int]], batch_siz
             program = prompt + completion + "\n" + synthetic.function_tests(t, n)
             passed += run_python(program).passed
     return passed / len(cases)
+
+
+def main() -> int:
+    """Stage `reference`: train the embedded reference model (or record that params.yaml names another model)."""
+    from pipelines.core.params import load_params
+    from pipelines.core.paths import REFERENCE_DIR, REFERENCE_REPORT
+    from pipelines.models.loading import resolve_model
+
+    params = load_params()
+    source = resolve_model(params.model)
+    if not source.is_reference:
+        reason = f"params.yaml names model {source.location!r} ({source.kind}); the reference model is not built"
+        with atomic_dir(REFERENCE_DIR) as tmp:
+            write_json(tmp / "skipped.json", {"status": "skipped", "reason": reason})
+        write_json(REFERENCE_REPORT, {"status": "skipped", "reason": reason})
+        log.info("reference: skipped: %s", reason)
+        return 0
+    report = from_shipped(params.reference, REFERENCE_DIR, REFERENCE_REPORT) \
+        or build(params.reference, REFERENCE_DIR, REFERENCE_REPORT)
+    log.info("reference: %s", "the shipped weights (reference_model/, trained from this recipe) -> models/reference"
+             if report["source"] == "shipped" else f"trained here in {report['train_seconds']} s")
+    functions = report["function_pass_rate"]
+    log.info(
+        "reference: %s params, held-out addition exact match %.1f%%, held-out functions pass@1 %s, "
+        "code from a Chinese comment %.1f%%, chat %.1f%% (chance 25%%) -> %s",
+        f"{report['parameters']:,}", 100 * report["addition_exact_match"],
+        "n/a (no sandbox isolation)" if functions is None else f"{100 * functions:.1f}%",
+        100 * report["code_comment_accuracy"], 100 * report["chat_accuracy"], REFERENCE_REPORT,
+    )
+    return 0

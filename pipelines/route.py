@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipelines.compare import BASELINE, usable
-from pipelines.io import read_json
+from pipelines.core.io import read_json
 
 
 def cost_bytes(memory: dict | None, tokens: int) -> float | None:
@@ -97,7 +97,7 @@ def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path
             })
     table = {"baseline": BASELINE, "buckets": buckets, "dvc_lock_sha256": digest, "rows": rows}
     if classifier is not None:
-        from pipelines.classify import AMBIGUOUS, UNKNOWN
+        from pipelines.text.classify import AMBIGUOUS, UNKNOWN
 
         rows += baseline_rows([d for d in classifier if d not in report["domains"]], buckets,
                               "request type {name} was not evaluated (evaluate.domains leaves it out)", digest, base_mem)
@@ -107,3 +107,26 @@ def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path
                                                     "baseline", digest, base_mem)
         table["classifier"] = classifier
     return table
+
+
+def main() -> int:
+    """Stage `route`: build the routing table from compare.json (`quantgate route lookup` serves it: routing/router.py)."""
+    import logging
+
+    from pipelines.core.io import write_json, write_yaml
+    from pipelines.core.lineage import lock_digest
+    from pipelines.core.params import load_params
+    from pipelines.core.paths import COMPARE_REPORT, ROUTING_TABLE, VARIANTS_DIR
+
+    log = logging.getLogger(__name__)
+    params = load_params()
+    report = read_json(COMPARE_REPORT)
+    table = build_table(report, params.route.context_buckets, params.compare.policy_for, VARIANTS_DIR,
+                        lock_digest(), {name: rule.model_dump() for name, rule in params.coverage.classify.items()})
+    write_json(ROUTING_TABLE, table)
+    write_yaml(ROUTING_TABLE.with_suffix(".yaml"), table)
+    for row in table["rows"]:
+        log.info("route %-12s <= %6d tokens: serve %-8s fallback %-8s (%s)", row["domain"], row["max_context_tokens"],
+                 row["serve"], row["fallback_under_memory_pressure"], row["reason"])
+    log.info("route: %s and %s", ROUTING_TABLE, ROUTING_TABLE.with_suffix(".yaml"))
+    return 0

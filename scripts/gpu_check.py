@@ -39,12 +39,12 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x
              "manylinux2014_x86_64")
 
 # What the check's code path imports that the GPU machine lacks: (distribution, import name, who needs it).
-# `python3 -m pipelines.cli quantize fp16|int8`, `memory <variant>` and `memory-report` import pipelines.params
+# `python3 -m pipelines.cli quantize fp16|int8`, `memory <variant>` and `memory-report` import pipelines.core.params
 # (pydantic: every stage validates params.yaml with it) and, for int8, bitsandbytes. Everything else they import at
 # module level (torch, transformers, accelerate, numpy, scipy, psutil, pynvml, yaml, tqdm) the machine has; tests/
 # test_gpu_memory_check.py imports every module of that path with only the machine's packages plus these.
 WHEELS = (
-    ("pydantic", "pydantic", "pipelines/params.py: every stage validates params.yaml with it"),
+    ("pydantic", "pydantic", "pipelines/core/params.py: every stage validates params.yaml with it"),
     ("pydantic-core", "pydantic_core", "pydantic's compiled core"),
     ("annotated-types", "annotated_types", "required by pydantic"),
     ("typing-inspection", "typing_inspection", "required by pydantic"),
@@ -70,8 +70,8 @@ OPTIONAL_VARIANTS = {
 }
 
 # The modules of the check's code path, imported before anything runs so that a missing package is named at once.
-CHECK_MODULES = ("pipelines.cli", "pipelines.params", "pipelines.models", "pipelines.quantize", "pipelines.memory",
-                 "pipelines.memory_verdict", "pipelines.isolation")
+CHECK_MODULES = ("pipelines.cli", "pipelines.core.params", "pipelines.models.loading", "pipelines.quantize", "pipelines.memory",
+                 "pipelines.measure.memory_verdict", "pipelines.core.isolation")
 
 
 class SetupError(Exception):
@@ -368,14 +368,15 @@ def setup(device: str, size: str, reference: Path) -> list[str]:
 def memory_report() -> int:
     """`quantgate memory-report` where matplotlib imports. Without it (the GPU machine: no room for it in the wheels)
     the stage's own summary, memory_verdict.summarize over the same results, written where the stage writes it
-    (pipelines/plots.py imports matplotlib at module level, so the stage itself cannot run there)."""
+    (pipelines/core/plots.py imports matplotlib at module level, so the stage itself cannot run there)."""
     from pipelines import cli
 
     if importlib.util.find_spec("matplotlib") is not None:
         return cli.main(["memory-report"])
-    from pipelines import logs, memory_verdict
-    from pipelines.io import read_json, write_json
-    from pipelines.params import load_params
+    from pipelines.core import logs
+    from pipelines.measure import memory_verdict
+    from pipelines.core.io import read_json, write_json
+    from pipelines.core.params import load_params
 
     logs.setup()
     print(f"memory-report: charts not drawn: matplotlib is not installed here ({NOT_BROUGHT['matplotlib']})",

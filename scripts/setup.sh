@@ -2,7 +2,7 @@
 # Create .venv (Python 3.11) and install quantgate with its pinned dependencies. Idempotent.
 #
 # First the system package the default run needs: bubblewrap (`bwrap`), the code probes' sandbox
-# (pipelines/sandbox.py). Missing, it is installed with apt-get when we are root on a machine with apt (as .ci/run
+# (pipelines/core/sandbox.py). Missing, it is installed with apt-get when we are root on a machine with apt (as .ci/run
 # does); where it cannot be (not root, no apt, another OS), setup names the package and the command that installs it.
 #   bash scripts/setup.sh                 bubblewrap (only a warning if it cannot be installed: the tests that need
 #                                         it skip, unless QUANTGATE_REQUIRE_SANDBOX=1 as in CI), then .venv
@@ -58,7 +58,7 @@ bubblewrap_install_command() {
 ensure_bubblewrap() {
   command -v bwrap >/dev/null 2>&1 && return 0
   if [ "$(uname -s)" = Linux ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "setup: installing bubblewrap (apt-get): the sandbox model-written code runs in (pipelines/sandbox.py)"
+    echo "setup: installing bubblewrap (apt-get): the sandbox model-written code runs in (pipelines/core/sandbox.py)"
     local said
     if said="$( (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) 2>&1)" \
         && command -v bwrap >/dev/null 2>&1; then
@@ -83,7 +83,7 @@ bubblewrap_missing_message() {  # $1: "error" or "warning"
   } >&2
 }
 
-# bwrap really builds what pipelines/sandbox.py asks of it: new namespaces and a size-capped tmpfs (`--size` needs
+# bwrap really builds what pipelines/core/sandbox.py asks of it: new namespaces and a size-capped tmpfs (`--size` needs
 # bubblewrap 0.8; Ubuntu 22.04 ships 0.6), which a restricted kernel (AppArmor's unprivileged-userns switch) or a
 # container without the privilege refuses. One second, and the reason, instead of minutes of pip before the doctor.
 bwrap_builds_the_sandbox() {
@@ -106,7 +106,7 @@ check_system() {  # --check-system: exit 1 when the default run's code probes wo
   if ensure_bubblewrap; then
     if [ "$needed" = yes ] && [ "$(id -u)" != 0 ]; then
       echo "setup: error: the code probes' sandbox needs root (namespaces and the switch to uid 65534," \
-           "pipelines/sandbox.py): run as root, or set evaluate.allow_unisolated_code: true in params.yaml" >&2
+           "pipelines/core/sandbox.py): run as root, or set evaluate.allow_unisolated_code: true in params.yaml" >&2
       return 1
     fi
     if [ "$needed" = yes ] && ! bwrap_builds_the_sandbox; then

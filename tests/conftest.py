@@ -30,7 +30,7 @@ def _repo_root(monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_params():
-    from pipelines.params import ReferenceParams
+    from pipelines.core.params import ReferenceParams
 
     return ReferenceParams(**TINY_REFERENCE)
 
@@ -52,7 +52,7 @@ def tiny_calibration(tmp_path_factory, tiny_model) -> Path:
     from transformers import AutoTokenizer
 
     from pipelines import calibrate
-    from pipelines.params import CalibrationParams, CoverageParams
+    from pipelines.core.params import CalibrationParams, CoverageParams
 
     os.chdir(ROOT)
     out = tmp_path_factory.mktemp("calib")
@@ -64,9 +64,10 @@ def tiny_calibration(tmp_path_factory, tiny_model) -> Path:
 @pytest.fixture(scope="session")
 def tiny_variants(tmp_path_factory, tiny_model, tiny_calibration) -> dict[str, Path]:
     """The four default variants of the tiny model, made by the quantize stage's code."""
-    from pipelines import logs, quantize
-    from pipelines.models import ModelSource
-    from pipelines.params import DEFAULT_VARIANTS
+    from pipelines.core import logs
+    from pipelines import quantize
+    from pipelines.models.loading import ModelSource
+    from pipelines.core.params import DEFAULT_VARIANTS
 
     logs.setup(log_file=tmp_path_factory.mktemp("logs") / "quantgate.log")
     root = tmp_path_factory.mktemp("variants")

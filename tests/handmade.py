@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from pipelines.io import write_json, write_jsonl
+from pipelines.core.io import write_json, write_jsonl
 
 DOMAINS = ["math", "code"]
 KL = {"mean": 0.01, "stderr": 0.001, "max": 0.4, "p99_9": 0.3, "p99": 0.2, "p95": 0.05, "p90": 0.02,
@@ -84,7 +84,7 @@ def write_eval_items(root: Path, counts: dict[str, int]) -> None:
 def plans(root: Path, domains=("math", "code"), look_items: int = 10_000, max_items: int | None = None) -> dict:
     """compare's look plans over root/eval; by default one look over the whole pool."""
     from pipelines import compare
-    from pipelines.params import EvaluateParams
+    from pipelines.core.params import EvaluateParams
 
     return compare.probe_plans(list(domains), EvaluateParams(look_items=look_items, max_items=max_items), root / "eval")
 
@@ -145,8 +145,9 @@ def dvc_commit(root: Path) -> None:
 def rerun_compare(root: Path) -> tuple[dict, dict]:
     """compare and route over the workspace's results, then dvc.lock updated: what `dvc repro` does after
     an upstream change (the upstream digest is taken once DVC has recorded the upstream stage)."""
-    from pipelines import compare, lineage, route
-    from pipelines.params import load_params
+    from pipelines import compare, route
+    from pipelines.core import lineage
+    from pipelines.core.params import load_params
 
     params = load_params(root / "params.yaml")
     report = compare.compare_all(list(params.variants), [], compare.probe_plans(params.evaluate.domains, params.evaluate,
@@ -171,8 +172,8 @@ def write_pipeline(root: Path, answers: dict[str, dict[str, list[bool]]]) -> dic
 
     `answers`: model name -> domain -> per-item correctness; fp16 must be among them.
     """
-    from pipelines import lineage
-    from pipelines.params import load_params
+    from pipelines.core import lineage
+    from pipelines.core.params import load_params
 
     (root / "params.yaml").write_text(PARAMS_YAML)
     params = load_params(root / "params.yaml")

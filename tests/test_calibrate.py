@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from pipelines import calibrate
-from pipelines.classify import AMBIGUOUS, UNKNOWN, Classifier
-from pipelines.code_comments import bare_functions, extract
-from pipelines.errors import QuantgateError
-from pipelines.params import CalibrationParams, CoverageParams, Params, SourceParams
-from pipelines.pii import mask
+from pipelines.text.classify import AMBIGUOUS, UNKNOWN, Classifier
+from pipelines.text.code_comments import bare_functions, extract
+from pipelines.core.errors import QuantgateError
+from pipelines.core.params import CalibrationParams, CoverageParams, Params, SourceParams
+from pipelines.text.pii import mask
 
 SMALL = {"samples": 64}
 classify = Classifier(Params().coverage.classify).classify
@@ -212,7 +212,7 @@ def test_classifier_agrees_with_the_traffic_generator_labels():
     sys.path.insert(0, "scripts")
     import make_sources
 
-    from pipelines import synthetic
+    from pipelines.text import synthetic
     from pipelines.reference import code_samples
 
     bare = [s.code for p in sorted(Path("calibration_sets/sources/code").rglob("*.py"))
@@ -339,8 +339,9 @@ def test_run_writes_the_classifier_report_and_flags_a_type_it_misses(tmp_path, t
 
 @pytest.mark.parametrize("on_gap", ["warn", "fail"])
 def test_on_gap_applies_to_a_flagged_classifier(monkeypatch, caplog, on_gap):
-    from pipelines import cli, models
-    from pipelines import params as params_module
+    from pipelines import cli
+    from pipelines.models.loading import loading as models
+    from pipelines.core import params as params_module
 
     texts, labels = zip(*LABELLED)
     measured = calibrate.classifier_report(list(texts), list(labels), fruit(0.6))

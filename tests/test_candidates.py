@@ -11,8 +11,9 @@ import struct
 import pytest
 import torch
 
-from pipelines import candidates, logs
-from pipelines.models import VariantFailed, load_variant
+from pipelines.checkpoints import candidates
+from pipelines.core import logs
+from pipelines.models.loading import VariantFailed, load_variant
 
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 

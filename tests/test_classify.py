@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.classify import AMBIGUOUS, UNKNOWN, Classifier, compile_when
+from pipelines.text.classify import AMBIGUOUS, UNKNOWN, Classifier, compile_when
 
 
 @pytest.mark.parametrize("when, counts, expected", [

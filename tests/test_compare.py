@@ -12,9 +12,10 @@ from scipy import stats as sps
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.power import NormalIndPower
 
-from pipelines import compare, sequential, stats
-from pipelines.io import read_jsonl, write_jsonl
-from pipelines.params import CompareParams, PolicyParams
+from pipelines import compare
+from pipelines.judging import sequential, stats
+from pipelines.core.io import read_jsonl, write_jsonl
+from pipelines.core.params import CompareParams, PolicyParams
 from tests.handmade import correctness, memory_row, plans, write_eval_items, write_memory, write_model
 
 N = 400
@@ -466,7 +467,7 @@ def test_few_families_take_students_t_with_one_degree_less():
 
 
 def test_duplicate_item_ids_are_refused_with_file_and_line(tmp_path):
-    from pipelines.errors import QuantgateError
+    from pipelines.core.errors import QuantgateError
 
     write_jsonl(tmp_path / "eval/math/items.jsonl", [{"id": "a"}, {"id": "b"}, {"id": "a"}])
     with pytest.raises(QuantgateError, match=r"eval/math/items.jsonl:3: duplicate item id 'a' \(first on line 1\)"):

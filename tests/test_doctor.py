@@ -1,7 +1,7 @@
 """`quantgate doctor` and setup's system step: real checks on this machine, bubblewrap hidden per process (a PATH
 of links to every system tool but the hidden ones), never uninstalled.
 
-The sandbox cases need root and util-linux (the sandbox's own requirements, pipelines/sandbox.py); CI runs as root
+The sandbox cases need root and util-linux (the sandbox's own requirements, pipelines/core/sandbox.py); CI runs as root
 with both (.ci/run), so there they run."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines import doctor, sandbox
+from pipelines import doctor
+from pipelines.core import sandbox
 from tests.conftest import ROOT
 
 VENV_BIN = Path(sys.executable).parent
@@ -101,7 +102,7 @@ def test_allowing_unisolated_code_is_a_warning_and_exit_0(tmp_path, monkeypatch,
 @root_with_util_linux
 def test_no_request_type_running_code_needs_no_sandbox(tmp_path, monkeypatch, fresh_probe):
     monkeypatch.setenv("PATH", f"{VENV_BIN}:{path_without(tmp_path / 'bin', 'bwrap')}")
-    from pipelines.params import load_params
+    from pipelines.core.params import load_params
 
     got = doctor.sandbox_check(load_params(write_params(tmp_path, evaluate={"domains": ["math", "chat"]})))
     assert got.status == doctor.OK and "not needed" in got.detail
@@ -121,7 +122,7 @@ def test_a_kernel_that_restricts_user_namespaces_is_named_with_its_remedy(tmp_pa
     (sysctl / "kernel").mkdir(parents=True)
     (sysctl / "kernel" / "apparmor_restrict_unprivileged_userns").write_text("1\n")
     monkeypatch.setattr(doctor, "SYSCTL", sysctl)
-    from pipelines.params import load_params
+    from pipelines.core.params import load_params
 
     got = doctor.sandbox_check(load_params())
     assert got.status == doctor.FAIL and "bwrap cannot build the sandbox" in got.detail and "uid map" in got.detail
@@ -139,7 +140,7 @@ def test_userns_switches_are_read_from_proc(tmp_path):
 
 
 def test_code_rows_follow_runs_code_and_sandboxed_tasks(tmp_path):
-    from pipelines.params import load_params
+    from pipelines.core.params import load_params
 
     assert doctor.code_rows(load_params()) == ["code"]
     params = load_params(write_params(tmp_path, evaluate={"domains": ["math"]}))
@@ -162,7 +163,7 @@ def test_an_unknown_model_path_fails_naming_the_key(tmp_path):
 def test_a_local_checkpoint_is_described_from_its_config(tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(ROOT / "reference_model", ckpt)
-    from pipelines.params import load_params
+    from pipelines.core.params import load_params
 
     params = load_params(write_params(tmp_path, model=str(ckpt)))
     got = doctor.model_check(params)
@@ -174,7 +175,7 @@ def test_a_local_checkpoint_is_described_from_its_config(tmp_path):
 def test_a_hub_id_offline_and_not_cached_fails(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    from pipelines.params import load_params
+    from pipelines.core.params import load_params
 
     got = doctor.model_check(load_params(write_params(tmp_path, model="some-org/some-model")))
     assert got.status == doctor.FAIL and "HF_HUB_OFFLINE" in got.detail and "hf download" in got.remedy
@@ -237,7 +238,7 @@ def test_the_int8_kernel_runs_here():
 
 
 def test_awq_backend_gptqmodel_on_a_cpu_fails(tmp_path):
-    from pipelines.params import load_params
+    from pipelines.core.params import load_params
 
     params = load_params(write_params(tmp_path, variants={
         "fp16": {"method": "none", "dtype": "float16"},

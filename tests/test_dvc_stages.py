@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from pipelines import lineage
+from pipelines.core import lineage
 from tests.conftest import ROOT
 
 
@@ -26,8 +26,8 @@ def test_each_stage_depends_on_exactly_the_modules_its_command_imports():
 
 def test_stage_code_follows_imports_inside_functions_and_leaves_other_commands_out():
     compare = lineage.stage_code("compare")
-    assert "pipelines/stats.py" in compare  # compare -> sequential -> stats
-    assert "pipelines/sandbox.py" in compare  # compare -> evaluate (inside a function) -> sandbox
+    assert "pipelines/judging/stats.py" in compare  # compare -> sequential -> stats
+    assert "pipelines/core/sandbox.py" in compare  # compare -> evaluate (inside a function) -> sandbox
     assert "pipelines/quantize.py" not in compare and "pipelines/record.py" not in compare
     assert "pipelines/compare.py" not in lineage.stage_code("quantize")
     assert "pipelines/gate.py" not in lineage.stage_code("record")  # cli.py imports gate only inside cmd_gate

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines.errors import ENVIRONMENT, environment_cause
+from pipelines.core.errors import ENVIRONMENT, environment_cause
 
 
 def raised(code):

@@ -6,8 +6,10 @@ import os
 
 import pytest
 
-from pipelines import compare, evaluate, sandbox, sequential
-from pipelines.params import CompareParams, EvaluateParams
+from pipelines import compare, evaluate
+from pipelines.core import sandbox
+from pipelines.judging import sequential
+from pipelines.core.params import CompareParams, EvaluateParams
 
 P = EvaluateParams(look_items=4, max_items=8, batch_size=8, fidelity_texts=4)
 DOMAINS = list(P.probes)
@@ -98,7 +100,7 @@ def test_with_bubblewrap_hidden_code_is_not_measured_and_the_gate_cannot_decide(
     """bwrap missing (a fresh machine): code probes are refused as this machine's failure, with the remedy; compare
     makes the row `inconclusive` (no evidence against the variant) and the gate exits 2 naming bubblewrap."""
     from pipelines import cli
-    from pipelines.io import read_json, write_json
+    from pipelines.core.io import read_json, write_json
     from tests.handmade import correctness, rerun_compare, write_pipeline
 
     real_which = sandbox.shutil.which
@@ -173,7 +175,7 @@ def test_missing_probe_file_is_a_clear_recorded_failure(tmp_path, monkeypatch, t
 
 
 def test_model_without_pad_token_still_evaluates(monkeypatch, tiny_variants, tmp_path):
-    import pipelines.models as models
+    import pipelines.models.loading as models
 
     real = models.load_variant
 

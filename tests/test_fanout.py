@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from pipelines import fanout
-from pipelines.errors import QuantgateError
-from pipelines.params import Params
+from pipelines.core.errors import QuantgateError
+from pipelines.core.params import Params
 from tests.conftest import ROOT
 
 

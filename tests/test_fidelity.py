@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from pipelines import fidelity
-from pipelines.models import load_variant
+from pipelines.evaluation import fidelity
+from pipelines.models.loading import load_variant
 
 TEXTS = {"math": ["47+38=85", "√49=7\n\\frac{3}{4}\\times 8=6"],
          "chat": ["Customer: Where is my order 12345?\nAgent: It ships tomorrow."]}

@@ -198,7 +198,7 @@ def test_the_machine_python_lacks_what_the_gpu_machine_lacks(machine):
     assert done.returncode == 0, done.stderr
     for module in ("pydantic", "bitsandbytes", "matplotlib", "dvc", "mlflow", "pipelines"):
         assert run_machine(python, f"import {module}", ROOT / "docs").returncode != 0, module
-    without = run_machine(python, "import pipelines.params", tree, [tree])
+    without = run_machine(python, "import pipelines.core.params", tree, [tree])
     assert "No module named 'pydantic'" in without.stderr
 
 
@@ -235,7 +235,7 @@ def test_install_without_pip_unpacks_the_wheels(machine, tmp_path):
     done = subprocess.run([python, "scripts/gpu_check.py", "install", "--wheels", str(wheels), "--target", str(target)],
                           cwd=tree, capture_output=True, text=True, env=machine_env())
     assert done.returncode == 0, done.stdout + done.stderr
-    done = run_machine(python, "import pipelines.params, bitsandbytes, importlib.metadata as m; "
+    done = run_machine(python, "import pipelines.core.params, bitsandbytes, importlib.metadata as m; "
                                "print(m.version('pydantic'))", tree, [target, tree])
     assert done.returncode == 0 and done.stdout.strip() == "2.14.4", done.stderr
 

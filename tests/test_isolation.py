@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.isolation import run_isolated
+from pipelines.core.isolation import run_isolated
 
 ROOT = Path(__file__).resolve().parents[1]
 QUANTGATE = [sys.executable, "-m", "pipelines.cli"]
@@ -166,9 +166,9 @@ def test_a_worker_that_crashes_is_killed_or_raises_is_a_named_failure():
 def test_a_result_written_before_a_crash_or_hang_at_exit_is_kept(monkeypatch, caplog):
     """The result file is written atomically, so once it is there the work is done: a crash while the
     interpreter exits keeps it, and a hang at exit is killed after a grace period, not at the timeout."""
-    import pipelines.isolation as isolation
+    import pipelines.core.isolation as isolation
 
-    with caplog.at_level("WARNING", logger="pipelines.isolation"):
+    with caplog.at_level("WARNING", logger="pipelines.core.isolation"):
         assert run_isolated(done_then_crash_on_exit, (), 60, "evaluate awq4") == ({"done": True}, None)
         monkeypatch.setattr(isolation, "EXIT_GRACE_S", 2.0)
         started = time.monotonic()
@@ -198,7 +198,7 @@ def test_a_crash_takes_the_workers_process_group_with_it(tmp_path):
 
 def test_a_worker_dies_with_its_stage():
     """A stage killed from outside (DVC interrupted, the OOM killer choosing the parent) takes its worker along."""
-    code = "import time; from pipelines.isolation import run_isolated; run_isolated(time.sleep, (600,), 900, 'w')"
+    code = "import time; from pipelines.core.isolation import run_isolated; run_isolated(time.sleep, (600,), 900, 'w')"
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     worker = isolated_worker(parent)
     parent.kill()
@@ -300,7 +300,7 @@ def test_baseline_worker_crash_stops_the_pipeline_with_the_cause(project):
 
 def test_baseline_that_hangs_raises_naming_the_timeout(project, monkeypatch):
     from pipelines import cli
-    from pipelines.errors import QuantgateError
+    from pipelines.core.errors import QuantgateError
 
     write_params(project, evaluate_timeout=1)
     monkeypatch.chdir(project)

@@ -6,7 +6,7 @@ import logging
 import sys
 import threading
 
-from pipelines import logs
+from pipelines.core import logs
 
 
 def test_a_handler_on_the_redirected_stderr_neither_recurses_nor_outlives_the_block(capfd, caplog):

@@ -8,9 +8,10 @@ import pytest
 
 import time
 
-from pipelines import memory, memory_plots, memory_verdict
-from pipelines.isolation import run_isolated
-from pipelines.params import MemoryParams
+from pipelines import memory
+from pipelines.measure import memory_plots, memory_verdict
+from pipelines.core.isolation import run_isolated
+from pipelines.core.params import MemoryParams
 
 FAST = MemoryParams(seq_fractions=[0.25, 0.5, 1.0], warmup_rounds=1, rounds=10, max_rounds=24, tail_rounds=6,
                     alternations=2, burst_size=2)
@@ -80,7 +81,7 @@ def test_out_of_memory_in_a_phase_is_recorded_with_the_phase(tiny_variants):
     """An allocation that fails at the longest length: torch's own CPU allocator error, caught as an OOM."""
     import torch
 
-    from pipelines.models import load_variant
+    from pipelines.models.loading import load_variant
 
     model, _ = load_variant(tiny_variants["fp16"])
     real_forward = model.forward

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.errors import QuantgateError
-from pipelines.models import resolve_model
-from pipelines.params import DEFAULT_VARIANTS, load_params
+from pipelines.core.errors import QuantgateError
+from pipelines.models.loading import resolve_model
+from pipelines.core.params import DEFAULT_VARIANTS, load_params
 
 
 def write(tmp_path, text: str):
@@ -125,7 +125,7 @@ def test_a_request_type_is_declared_once_and_every_section_receives_it(tmp_path)
     assert params.compare.policy_for("sql").max_accuracy_drop == 0.02
     assert params.compare.policy_for("math").max_accuracy_drop == 0.05
     # the shipped params.yaml declares exactly the request types Params() uses without a file
-    from pipelines.params import Params
+    from pipelines.core.params import Params
 
     shipped, default = load_params(write_params(tmp_path / "shipped.yaml", shipped_params())), Params()
     assert shipped.requests == default.requests and shipped.calibration.sources == default.calibration.sources

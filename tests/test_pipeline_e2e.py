@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines import sandbox
+from pipelines.core import sandbox
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.e2e
@@ -193,7 +193,7 @@ def test_evaluate_stage_per_variant(pipeline_run):
 
 
 def test_compare_and_route_stages(pipeline_run):
-    from pipelines import lineage
+    from pipelines.core import lineage
 
     repo, first, _ = pipeline_run
     report = json.loads((repo / "results" / "compare.json").read_text())
@@ -237,7 +237,7 @@ def test_compare_and_route_stages(pipeline_run):
     assert "sql request" in looked_up.stderr + looked_up.stdout
     # every request of the shipped production sample is served by what the table says for its domain:
     # the cheapest variant that passed it (and saves enough), fp16 where none did
-    from pipelines.router import Router
+    from pipelines.routing.router import Router
 
     router = Router.from_file(repo / "results" / "routing_table.json")
     footprint = {n: (v.get("memory") or {}).get("footprint_bytes") for n, v in report["variants"].items()}
@@ -259,7 +259,7 @@ def test_compare_and_route_stages(pipeline_run):
 def test_record_stage_and_gate(pipeline_run):
     from mlflow import MlflowClient
 
-    from pipelines import lineage
+    from pipelines.core import lineage
 
     repo, _, _ = pipeline_run
     run = json.loads((repo / "results" / "mlflow_run.json").read_text())

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import probes
+from pipelines.text import probes
 
 GENERATORS = {"math": probes.math_probes, "code": probes.code_probes, "code_comment": probes.code_comment_probes, "chat": probes.chat_probes}
 
@@ -21,7 +21,7 @@ def test_committed_items_equal_the_generator(domain):
 
 
 def test_math_additions_are_held_out_from_reference_training():
-    from pipelines import synthetic
+    from pipelines.text import synthetic
 
     train, _ = synthetic.split_addition_pairs(0, 1000)
     trained = {f"{a}+{b}=" for a, b in train}
@@ -56,7 +56,7 @@ def test_code_items_pass_their_own_tests_with_the_canonical_body():
 def test_code_comment_probes_need_the_comment_and_are_held_out():
     """The answer is in the Chinese comment only (the name says nothing), and no (template, number) pair
     of a probe was in the reference model's training text, in any phrasing."""
-    from pipelines import synthetic
+    from pipelines.text import synthetic
 
     items = probes.code_comment_probes()
     trained, _ = synthetic.split_commented_cases(0)
@@ -72,7 +72,7 @@ def test_code_comment_probes_need_the_comment_and_are_held_out():
 def test_code_probe_tests_reject_a_miscopied_number():
     """A quantized model's typical code error is a wrong number in the body (`x == 13` for `is_31`): each code
     probe's tests pass its canonical body and fail the same body with any other number of its template's range."""
-    from pipelines import synthetic
+    from pipelines.text import synthetic
 
     for item in probes.code_probes():
         n = int(item["prompt"].split("(")[0].rsplit("_", 1)[1])

@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 from pipelines.evaluate import full_text, probe_items
-from pipelines.params import load_params
+from pipelines.core.params import load_params
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quantizer_settings.py"
 

@@ -11,9 +11,10 @@ from mlflow import MlflowClient
 
 import yaml
 
-from pipelines import cli, lineage, record
-from pipelines.io import read_json, sha256_file, write_json
-from pipelines.params import load_params
+from pipelines import cli, record
+from pipelines.core import lineage
+from pipelines.core.io import read_json, sha256_file, write_json
+from pipelines.core.params import load_params
 from tests.handmade import correctness, rerun_compare, write_pipeline
 
 N = 400
@@ -175,7 +176,7 @@ def test_tables_and_dataset_inputs(recorded):
     assert set(compare_table[compare_table.variant == "awq4"].verdict) == {"fail", "pass"}
     assert len(routing) == 4  # 2 domains x 2 buckets; awq4 fails math but is the cheapest that passes code
     assert dict(zip(routing.domain, routing.serve)) == {"math": "int8", "code": "awq4"}
-    from pipelines.io import sha256_file
+    from pipelines.core.io import sha256_file
 
     inputs = client.get_run(summary["parent_run_id"]).inputs.dataset_inputs
     by_name = {i.dataset.name: {t.key: t.value for t in i.tags} for i in inputs}

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from pipelines import reference, synthetic
-from pipelines.io import sha256_file
+from pipelines import reference
+from pipelines.text import synthetic
+from pipelines.core.io import sha256_file
 
 
 def test_tokenizer_splits_every_digit(tiny_model):
@@ -79,7 +80,7 @@ def test_report_has_every_skill_figure(tiny_model):
     assert report["addition_items"] == 50 and report["code_comment_items"] == 20 and report["chat_items"] == 20
     for key in ("addition_exact_match", "code_comment_accuracy", "chat_accuracy"):
         assert 0.0 <= report[key] <= 1.0
-    from pipelines import sandbox
+    from pipelines.core import sandbox
 
     if sandbox.isolation_available():
         assert report["function_items"] == 20 and 0.0 <= report["function_pass_rate"] <= 1.0
@@ -97,7 +98,7 @@ def test_held_out_functions_are_never_trained_on(tiny_params):
 def test_shipped_weights_are_used_only_for_their_own_recipe(tmp_path, tiny_params):
     """`quantgate reference` copies reference_model/ when params ask for the recipe it was trained from,
     trains when they ask for another, and refuses shipped weights that are not the ones recorded."""
-    from pipelines.errors import QuantgateError
+    from pipelines.core.errors import QuantgateError
 
     shipped = tmp_path / "shipped"
     report = reference.ship(tiny_params, shipped)

@@ -7,10 +7,11 @@ import json
 import pytest
 import yaml
 
-from pipelines import cli, compare, lineage, route
-from pipelines.router import Router
-from pipelines.errors import QuantgateError
-from pipelines.params import CompareParams, CoverageParams, PolicyParams
+from pipelines import cli, compare, route
+from pipelines.core import lineage
+from pipelines.routing.router import Router
+from pipelines.core.errors import QuantgateError
+from pipelines.core.params import CompareParams, CoverageParams, PolicyParams
 from tests.handmade import FOOTPRINT, correctness, memory_row, plans, write_eval_items, write_memory, write_model
 
 N = 400

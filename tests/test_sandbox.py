@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipelines import sandbox
-from pipelines.sandbox import Limits, run_python
+from pipelines.core import sandbox
+from pipelines.core.sandbox import Limits, run_python
 
 pytestmark = pytest.mark.skipif(not sandbox.isolation_available() and not os.environ.get("QUANTGATE_REQUIRE_SANDBOX"),
                                 reason="the sandbox needs root, util-linux and bubblewrap (CI has them and requires it)")

@@ -15,11 +15,13 @@ import sys
 
 import pytest
 
-from pipelines import compare, evaluate, quantize, sandbox, standard_tasks
-from pipelines.errors import QuantgateError
-from pipelines.io import read_json, write_json, write_jsonl
-from pipelines.models import ModelSource
-from pipelines.params import DEFAULT_VARIANTS, CompareParams, EvaluateParams
+from pipelines import compare, evaluate, quantize
+from pipelines.core import sandbox
+from pipelines.evaluation import standard_tasks
+from pipelines.core.errors import QuantgateError
+from pipelines.core.io import read_json, write_json, write_jsonl
+from pipelines.models.loading import ModelSource
+from pipelines.core.params import DEFAULT_VARIANTS, CompareParams, EvaluateParams
 from tests import handmade
 
 # (question, worked answer, final number): the shape of openai/gsm8k's rows
@@ -168,7 +170,7 @@ def _task_records(name: str, correct: list[bool]) -> list[dict]:
 def _handmade_report(root, probe_lose: int, task_lose: int, n: int = 400) -> dict:
     """compare.json over hand-made records: fp16 and int8 answer the math probes and gsm8k (240 of `n` right
     for fp16); int8 loses `probe_lose` probe answers and `task_lose` gsm8k answers."""
-    from pipelines import sequential
+    from pipelines.judging import sequential
 
     handmade.write_model(root, "fp16", {"math": handmade.correctness(n, 240)})
     handmade.write_model(root, "int8", {"math": handmade.correctness(n, 240, lose=probe_lose)})
@@ -193,7 +195,7 @@ def _handmade_report(root, probe_lose: int, task_lose: int, n: int = 400) -> dic
 def _gate_view(report: dict) -> tuple[list[str], tuple[str, list[str]]]:
     """What the gate makes of int8's math row: its inconsistencies (re-derived with compare.judge) and its verdict."""
     from pipelines.gate import check_row, inconsistencies
-    from pipelines.params import Params
+    from pipelines.core.params import Params
 
     rows = report["variants"]["int8"]["domains"]
     return (inconsistencies("int8", "math", rows["math"], rows["math"], report["variants"]["int8"]["memory"], Params()),
@@ -226,7 +228,7 @@ def test_an_inconclusive_task_row_leaves_its_domain_undecided(tmp_path):
     """gsm8k loses 15 of 400 (interval straddles -0.05 after the last look): the domain, which passes on its own,
     is inconclusive and the gate says "could not decide" (exit 2), not fail; a domain failing on its own stays failed."""
     from pipelines.gate import EXIT, inconsistencies
-    from pipelines.params import Params
+    from pipelines.core.params import Params
 
     report = _handmade_report(tmp_path, probe_lose=0, task_lose=15)
     rows = report["variants"]["int8"]["domains"]
@@ -393,8 +395,8 @@ def test_code_tasks_never_import_hf_evaluate(code_files):
     and load code_eval from the hub); lm-eval's own way of reading the YAML would import it."""
     script = f"""
 import json, sys
-from pipelines import standard_tasks
-from pipelines.params import TaskParams
+from pipelines.evaluation import standard_tasks
+from pipelines.core.params import TaskParams
 specs = [TaskParams(name=n, data_files={{"test": p}}) for n, p in {code_files!r}.items()]
 counts = [standard_tasks.doc_count("code", s) for s in specs]
 cfgs = [standard_tasks.task_config("code", s) for s in specs]
@@ -441,7 +443,7 @@ def test_a_changed_code_task_definition_is_refused():
 
 def params_with_tasks(tasks: dict, **evaluate):
     """The default params with standard tasks declared where params.yaml declares them: requests.<name>.tasks."""
-    from pipelines.params import Params
+    from pipelines.core.params import Params
 
     requests = {name: r.model_dump(exclude_none=True) for name, r in Params().requests.items()}
     for name, specs in tasks.items():
@@ -452,7 +454,7 @@ def params_with_tasks(tasks: dict, **evaluate):
 def test_the_gate_will_not_decide_on_task_data_dvc_does_not_track(tmp_path):
     """A task's local data outside eval/ (what the stages depend on in dvc.yaml) could change unseen: undecided."""
     from pipelines.gate import decide
-    from pipelines.params import Params
+    from pipelines.core.params import Params
 
     outside = tmp_path / "gsm8k_test.jsonl"
     outside.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
@@ -468,7 +470,7 @@ def test_the_gate_will_not_decide_on_task_data_dvc_does_not_track(tmp_path):
 def test_promotion_refuses_a_regression_on_a_standard_task_alone():
     """The candidate matches production on the probes but loses 60 of 400 gsm8k items: promotion is refused."""
     from pipelines.gate import regression_against
-    from pipelines.params import Params
+    from pipelines.core.params import Params
 
     def probes(tag):
         return [{"domain": "math", "task": "quantgate_math", "item_id": f"math-{i}", "family": f"f{i % 20}",
@@ -487,7 +489,7 @@ def test_local_data_is_read_by_the_builder_its_suffix_names(tmp_path, gsm8k_file
     """parquet and csv files work as well as JSON lines; an unknown suffix or mixed formats are named."""
     import pandas as pd
 
-    from pipelines.params import TaskParams
+    from pipelines.core.params import TaskParams
 
     for split, path in gsm8k_files.items():
         pd.read_json(path, lines=True).to_parquet(tmp_path / f"{split}.parquet")
@@ -504,7 +506,7 @@ def test_local_data_is_read_by_the_builder_its_suffix_names(tmp_path, gsm8k_file
 
 def test_a_graded_metric_is_refused_not_read_as_right_or_wrong(gsm8k_files):
     """An f1-like per-item value (0.5) is neither correct nor wrong: the row is refused, naming the metric."""
-    from pipelines.params import TaskParams
+    from pipelines.core.params import TaskParams
 
     cfg = standard_tasks.task_config("math", TaskParams(name="gsm8k", data_files=gsm8k_files))
     filt, metric = standard_tasks.scoring(cfg)

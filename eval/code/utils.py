@@ -6,7 +6,7 @@ lets code run where namespaces are unavailable; otherwise such runs are refused 
 
 import os
 
-from pipelines.sandbox import run_python
+from pipelines.core.sandbox import run_python
 
 
 def process_results(doc, results):

@@ -16,8 +16,8 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from pipelines.core.paths import LOG_FILE
 
-LOG_FILE = Path("logs/quantgate.log")
 current_log_file = LOG_FILE  # where setup() sent the log; child processes log to the same file
 
 # Set before any library import: quieter libraries, and the settings they read once at import.

@@ -147,31 +147,41 @@ def git_commit(cwd: Path = Path(".")) -> dict:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
-def stage_code(command: str, package: Path = Path(__file__).parent) -> list[str]:
-    """The files of `pipelines/` that `quantgate <command>` runs: cli.py, what its cmd_ function imports,
-    and what those import in turn. dvc.yaml lists exactly these as the stage's code deps (tested), so a
-    change to compare.py re-runs compare, route and record, not the quantizers."""
-    tree = ast.parse((package / "cli.py").read_text())
-    function = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == f"cmd_{command.replace('-', '_')}")
-    top_level = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]  # not other commands' imports
-    seen = {"__init__", "cli"} | _imported(top_level) | _imported([function])
-    todo = list(seen - {"cli"})  # cli.py's other commands are not this stage's code
+def stage_code(stage: str, root: Path = Path(__file__).resolve().parents[2]) -> list[str]:
+    """The files of `pipelines/` that stage `stage` runs: its own module (`pipelines/<stage>.py`), what that imports,
+    and so on, with the `__init__.py` of every package on the way. dvc.yaml lists exactly these as the stage's code
+    deps (tests/test_dvc_stages.py; `python scripts/sync_dvc_deps.py` writes them), so a change re-runs the stages
+    whose code it is and no other: cli.py, which only dispatches, is no stage's code."""
+    seen: set[Path] = set()
+    todo = [f"pipelines.{stage.replace('-', '_')}"]
     while todo:
-        for name in _imported(ast.parse((package / f"{todo.pop()}.py").read_text()).body):
-            if name not in seen:
-                seen.add(name)
-                todo.append(name)
-    return sorted(f"{package.name}/{name}.py" for name in seen)
+        name = todo.pop()
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):  # importing a.b.c runs a/__init__.py and a/b/__init__.py first
+            path = _module_file(".".join(parts[:depth]), root)
+            if path is not None and path not in seen:
+                seen.add(path)
+                todo.extend(_imported(ast.parse(path.read_text(encoding="utf-8")).body, root))
+    return sorted(path.relative_to(root).as_posix() for path in seen)
 
 
-def _imported(nodes: list[ast.stmt]) -> set[str]:
-    """Modules of this package imported anywhere in `nodes`, module level or inside functions."""
+def _module_file(name: str, root: Path) -> Path | None:
+    """pipelines.core.io -> <root>/pipelines/core/io.py (or its package's __init__.py); None for no such module."""
+    base = root.joinpath(*name.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported(nodes: list[ast.stmt], root: Path) -> set[str]:
+    """Modules of the `pipelines` package imported anywhere in `nodes`, module level or inside functions."""
     found = set()
     for node in (n for top in nodes for n in ast.walk(top)):
-        if isinstance(node, ast.ImportFrom) and node.module == "pipelines":
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipelines."):
-            found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "pipelines" and not node.level:
+            found.add(node.module)
+            # `from pipelines.core import io`: io is a module of its own
+            found |= {f"{node.module}.{a.name}" for a in node.names if _module_file(f"{node.module}.{a.name}", root)}
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("pipelines.")}
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "pipelines"}
     return found

@@ -9,7 +9,7 @@ def plot_all(results: dict[str, dict], out_dir: Path) -> list[Path]:
     """Memory over soak rounds and peak against sequence length, every variant on one chart each."""
     import matplotlib.pyplot as plt
 
-    from pipelines.plots import save
+    from pipelines.core.plots import save
 
     ok = {n: r for n, r in results.items() if r.get("status") == "ok"}
     fig, ax = plt.subplots(figsize=(6.5, 3.6))

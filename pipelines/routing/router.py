@@ -4,7 +4,7 @@ Light on purpose: it runs in front of every request, so it imports no torch, num
 module, only the classifier (regular expressions) and the table `quantgate route` wrote. Load it once
 and ask it per request:
 
-    from pipelines.router import Router
+    from pipelines.routing.router import Router
     router = Router.from_file("results/routing_table.json")
     router.route("What is 12 + 35?", context_tokens=40)["serve"]   # -> "int8"
 """
@@ -15,8 +15,8 @@ import bisect
 import json
 from pathlib import Path
 
-from pipelines.classify import Classifier
-from pipelines.errors import QuantgateError
+from pipelines.text.classify import Classifier
+from pipelines.core.errors import QuantgateError
 
 
 class Router:
@@ -54,3 +54,18 @@ class Router:
         """Classify the request with the classifier calibration coverage uses, then look its row up (requests it
         cannot decide have rows `unknown` and `ambiguous`, served by fp16)."""
         return self.lookup(self.classifier.classify(text), context_tokens)
+
+
+def print_route(text: str, context_tokens: int) -> int:
+    """`quantgate route lookup TEXT --context-tokens N`: print the variant serving the request, and why on the log."""
+    import logging
+
+    from pipelines.core.paths import ROUTING_TABLE
+
+    row = Router.from_file(ROUTING_TABLE).route(text, context_tokens)
+    print(row["serve"])
+    logging.getLogger("pipelines.route").info(
+        "route: %s request, %d tokens (bucket <= %d): serve %s, fallback under memory pressure %s (%s)",
+        row["domain"], context_tokens, row["max_context_tokens"], row["serve"], row["fallback_under_memory_pressure"],
+        row["reason"])
+    return 0

@@ -116,10 +116,10 @@ def _die_with_parent(parent: int) -> None:
 def _child(target: Callable[..., Any], args: tuple, out: str, raised: str, parent: int, log_file: str | None) -> None:
     os.setpgrp()  # a group of its own: the parent kills the group, grandchildren included
     _die_with_parent(parent)
-    from pipelines.io import atomic_write_text, write_json
+    from pipelines.core.io import atomic_write_text, write_json
 
     if log_file:
-        from pipelines import logs
+        from pipelines.core import logs
 
         logs.setup(log_file=Path(log_file))
     try:

@@ -9,11 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelines.errors import QuantgateError
-from pipelines.params import HUB_ID
+from pipelines.core.errors import QuantgateError
+from pipelines.core.params import HUB_ID
+from pipelines.core.paths import REFERENCE_DIR, VARIANTS_DIR
 
-REFERENCE_DIR = Path("models/reference")
-VARIANTS_DIR = Path("models/variants")
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ def resolve_device(setting: str) -> str:
 
 def variant_manifest(variant_dir: str | Path) -> dict:
     """The variant's quantgate.json; a missing one means the variant was never built."""
-    from pipelines.io import read_json
+    from pipelines.core.io import read_json
 
     path = Path(variant_dir) / "quantgate.json"
     if not path.is_file():
@@ -198,7 +197,7 @@ def load_variant(variant_dir: str | Path, device: str = "cpu", max_memory: dict 
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipelines.logs import library_output
+    from pipelines.core.logs import library_output
 
     manifest = variant_manifest(variant_dir)
     if manifest.get("status") != "ok":

@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from pipelines.io import atomic_dir, write_json
-from pipelines.models import VARIANTS_DIR
+from pipelines.core.io import atomic_dir, write_json
+from pipelines.models.loading import VARIANTS_DIR
+from pipelines.core.paths import MANIFEST
 
-MANIFEST = "quantgate.json"
 INDEX = "model.safetensors.index.json"
 CHUNK_BYTES = 8 << 20  # bounded memory per read (two buffers per file being read)
 METHODS = {"gptq": "gptq", "awq": "awq", "bitsandbytes": "bnb-int8", "compressed-tensors": "compressed-tensors"}
@@ -561,7 +561,7 @@ def tokenizer_files(files: dict[str, str]) -> str:
 def load_tokenizer(folder: str | Path):
     from transformers import AutoTokenizer
 
-    from pipelines import logs
+    from pipelines.core import logs
 
     with logs.library_output("admit"):
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)

@@ -22,7 +22,7 @@ import ast
 import re
 from collections.abc import Callable, Mapping
 
-from pipelines.pii import mask
+from pipelines.text.pii import mask
 
 UNKNOWN = "unknown"  # no request type's rule holds
 AMBIGUOUS = "ambiguous"  # two or more hold at the same, highest priority

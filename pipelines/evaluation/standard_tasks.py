@@ -7,7 +7,7 @@ score an item. Items are the task's evaluation docs in lm-eval's order; their st
 `<task>:<doc_id>`. Tasks that execute model-written code (lm-eval's `unsafe_code`) score through HF
 evaluate's code_eval, which loads from the hub and runs the code in the evaluating process: for `humaneval`
 and `mbpp` quantgate reads the YAML without importing its utils module and scores each item pass@1 with
-the same program code_eval would run, in quantgate's sandbox (pipelines/sandbox.py); any other code task
+the same program code_eval would run, in quantgate's sandbox (pipelines/core/sandbox.py); any other code task
 is refused.
 """
 
@@ -19,7 +19,7 @@ import functools
 import os
 from pathlib import Path
 
-from pipelines.errors import QuantgateError
+from pipelines.core.errors import QuantgateError
 
 SEP = ":"  # row key `<domain>:<task>`, item id `<task>:<doc_id>`
 
@@ -203,7 +203,7 @@ _EXEC = "import os, sys\nos._exit = None\ntry:\n    exec(compile({program!r}, '<
 
 def _pass_at_1(program: str) -> dict:
     """pass@1 of one greedy completion: the program run in the sandbox as code_eval would exec it."""
-    from pipelines.sandbox import Limits, run_python
+    from pipelines.core.sandbox import Limits, run_python
 
     outcome = run_python(_EXEC.format(program=program), Limits(timeout_s=CODE_EVAL_TIMEOUT_S + 1.0),
                          allow_unisolated=os.environ.get("QUANTGATE_ALLOW_UNISOLATED_CODE") == "1")
@@ -231,7 +231,7 @@ def scoring(cfg: dict) -> tuple[str, str]:
 
 def doc_count(domain: str, spec, include_path: str = "eval") -> int:
     """How many evaluation docs the task has (its item pool): lm-eval builds the task and loads its data."""
-    from pipelines.logs import library_output
+    from pipelines.core.logs import library_output
 
     cfg = task_config(domain, spec, include_path)
     try:

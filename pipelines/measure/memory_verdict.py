@@ -1,7 +1,7 @@
 """Judging what `memory` measured: the leak verdict for one soak, and every variant's growth against fp16.
 
 `pipelines/memory.py` measures; this module only reads its results (no torch), and
-`pipelines/memory_plots.py` draws them.
+`pipelines/measure/memory_plots.py` draws them.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pipelines.params import MemoryParams
+from pipelines.core.params import MemoryParams
+from pipelines.core.paths import MEMORY_SUMMARY as SUMMARY
 
-SUMMARY = Path("results/memory_summary.json")  # the memory-report stage's summary (compare and record read it)
 
 
 def leak_verdict(soak_result: dict, footprint: int, p: MemoryParams) -> dict:

@@ -10,8 +10,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from pipelines.core.paths import PLOTS_DIR
 
-PLOTS_DIR = Path("results/plots")  # every stage's charts
 
 
 def save(fig, path: Path) -> Path:

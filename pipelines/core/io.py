@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from pipelines.errors import QuantgateError
+from pipelines.core.errors import QuantgateError
 
 
 def _json_safe(value: Any) -> Any:

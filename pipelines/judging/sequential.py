@@ -17,7 +17,7 @@ import hashlib
 
 import numpy as np
 
-from pipelines import stats
+from pipelines.judging import stats
 
 PASS, FAIL, UNDECIDED = "pass", "fail", "inconclusive"
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from pipelines import synthetic
+from pipelines.text import synthetic
 
 PROBE_SEED = 2024
 POOL = 1000  # items per domain (math 2000; code: the 898 cases there are); the first look takes 200 (evaluate.look_items)

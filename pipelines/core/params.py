@@ -13,9 +13,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from pipelines.errors import QuantgateError
+from pipelines.core.errors import QuantgateError
+from pipelines.core.paths import PARAMS_FILE
 
-PARAMS_FILE = Path("params.yaml")
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -77,7 +77,7 @@ class ClassifyParams(Section):
 
     @model_validator(mode="after")
     def _compiles(self):
-        from pipelines.classify import Rule  # the classifier owns the expression language
+        from pipelines.text.classify import Rule  # the classifier owns the expression language
 
         Rule.compile("", self.model_dump())  # raises ValueError naming the bad pattern or expression
         return self

@@ -1,0 +1,36 @@
+"""Stage `admit@<candidate>`: a third-party quantized checkpoint enters only after validation.
+
+The checks live in pipelines/checkpoints/ (one file per concern); a rejection is recorded as that
+candidate's failure in its manifest, and the stage still succeeds so the other variants go on.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pipelines.checkpoints import candidates
+from pipelines.core.errors import QuantgateError
+from pipelines.core.params import load_params
+from pipelines.models.loading import resolve_model
+
+log = logging.getLogger(__name__)
+
+
+def main(candidate: str, failed_because: str | None = None) -> int:
+    params = load_params()
+    if candidate not in params.candidates:
+        params.model_under_test(candidate)
+        raise QuantgateError(f"{candidate!r} is a variant: use `quantgate quantize {candidate}`")
+    source = resolve_model(params.model)
+    path = params.candidates[candidate].path
+    if failed_because:  # `quantgate fanout` records a run that died outside the stage (docs/fanout.md)
+        candidates.record_failure(candidate, path, source.location, failed_because)
+        log.warning("admit %s: recorded as FAILED (%s)", candidate, failed_because)
+        return 0
+    manifest = candidates.admit(candidate, path, source.location)
+    if manifest["status"] == "ok":
+        log.info("admit %s: %s checkpoint validated (%d tensors) -> models/variants/%s", candidate,
+                 manifest["method"], manifest["validation"]["tensors"], candidate)
+    else:
+        log.warning("admit %s: REJECTED:\n  %s", candidate, "\n  ".join(manifest["validation"]["reasons"]))
+    return 0

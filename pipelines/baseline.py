@@ -1,0 +1,48 @@
+"""Stage `baseline`: fp16 answers every look of every probe pool, and its next-token distributions are stored once.
+
+Every variant's evaluate stage pairs its answers with these and scores its fidelity against these
+distributions. It runs in its own process; a crash or a run past evaluate.timeout_seconds stops the
+pipeline with the cause, since without a baseline no variant can be judged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pipelines.core import logs
+from pipelines.core.errors import QuantgateError
+from pipelines.core.io import write_json, write_jsonl
+from pipelines.core.isolation import run_isolated
+from pipelines.core.params import load_params
+from pipelines.core.paths import BASELINE, BASELINE_RESULTS, FIDELITY_BASE, VARIANTS_DIR
+from pipelines.evaluation.console import log_probes
+from pipelines.evaluation.harness import evaluate_variant
+from pipelines.evaluation.plans import probe_plans
+from pipelines.models.loading import resolve_device
+
+log = logging.getLogger(__name__)
+
+
+def main() -> int:
+    params = load_params()
+    p = params.evaluate
+    plans = probe_plans(p.domains, p)
+    staged = FIDELITY_BASE.with_name(f".{FIDELITY_BASE.name}.new")  # in place only together with the records
+    with logs.progress(total=1, desc="baseline fp16 (every look)", bar_format="{desc}: {elapsed}") as bar:
+        done, error = run_isolated(evaluate_variant,
+                                   (str(VARIANTS_DIR / BASELINE), plans, p, resolve_device(params.device), staged, None,
+                                    None, params.gpus.shares()),
+                                   p.timeout_seconds, f"evaluate {BASELINE}", logs.current_log_file)
+        bar.update()
+    result, items = done or ({"error": error}, [])
+    if error or result["status"] != "ok":  # no baseline, no A/B: stop here rather than judge against nothing
+        for leftover in (staged, staged.with_name(f".{staged.name}.tmp")):  # also what a killed process left
+            leftover.unlink(missing_ok=True)
+        raise QuantgateError(f"the fp16 baseline could not be evaluated: {result['error']}")
+    os.replace(staged, FIDELITY_BASE)
+    write_jsonl(BASELINE_RESULTS / "items.jsonl", items)
+    write_json(BASELINE_RESULTS / "eval.json", result)
+    log_probes(BASELINE, result)
+    log.info("baseline: %s -> %s", ", ".join(f"{d} {r['items']}" for d, r in result["probes"].items()), BASELINE_RESULTS)
+    return 0

@@ -1,0 +1,46 @@
+"""Every path and fixed name the stages share, in one place: where each stage writes and the next one reads.
+
+Paths are relative to the repository root, where `dvc repro` runs every stage. dvc.yaml lists the same
+paths as outs and deps; tests/test_dvc_stages.py holds the two together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BASELINE = "fp16"  # the variant every other is judged against
+MANIFEST = "quantgate.json"  # a variant folder's manifest: how it was made or admitted, and its status
+
+PARAMS_FILE = Path("params.yaml")
+LOG_FILE = Path("logs/quantgate.log")
+
+# inputs the project ships
+SHIPPED_REFERENCE_DIR = Path("reference_model")  # the trained weights, shipped with the recipe that made them
+CODE_SOURCES = Path("calibration_sets/sources/code")
+EVAL_DIR = Path("eval")  # a request type's probes: eval/<name>/items.jsonl and its lm-eval task YAML
+
+# models
+REFERENCE_DIR = Path("models/reference")
+VARIANTS_DIR = Path("models/variants")
+FETCHED_DIR = Path("models/fetched")  # `quantgate fetch` puts registry versions here
+
+# stage outputs
+RESULTS = Path("results")
+BUILT_DIR = Path("calibration_sets/built")  # calibrate: one set per domain
+METHOD_DIR = "by_method"  # built/by_method/<method>.jsonl: the calibration texts a quantization method reads
+COVERAGE_DIR = RESULTS / "calibration"  # calibrate: coverage and classifier reports
+REFERENCE_REPORT = RESULTS / "reference.json"
+QUANTIZE_RESULTS = RESULTS / "quantize"  # quantize: <variant>.json, status and timings
+MEMORY_RESULTS = RESULTS / "memory"  # memory: <variant>.json
+MEMORY_SUMMARY = RESULTS / "memory_summary.json"  # memory-report: compare and record read it
+BASELINE_RESULTS = RESULTS / "baseline"  # baseline: fp16's answers to every look
+FIDELITY_BASE = BASELINE_RESULTS / "fidelity.safetensors"  # baseline: fp16's next-token distributions
+EVAL_RESULTS = RESULTS / "eval"  # evaluate: <variant>.json and <variant>/items.jsonl
+COMPARE_REPORT = RESULTS / "compare.json"  # compare: verdicts and the numbers behind them
+SUMMARY = RESULTS / "summary.json"  # compare: DVC's only metrics file, the decision in a few columns
+COMPARE_TABLE = RESULTS / "compare.csv"
+PLOTS_DIR = RESULTS / "plots"  # every stage's charts
+ROUTING_TABLE = RESULTS / "routing_table.json"  # route: request type x context bucket -> variant
+MLFLOW_RUN = RESULTS / "mlflow_run.json"  # record writes it, gate reads it
+GATE_RESULT = RESULTS / "gate.json"
+GATE_REPORT = RESULTS / "report.md"

@@ -1,0 +1,32 @@
+"""Stage `memory-report`: every variant's memory on one chart each, and its growth against fp16."""
+
+from __future__ import annotations
+
+import logging
+
+from pipelines.core.io import read_json, write_json
+from pipelines.core.params import load_params
+from pipelines.core.paths import MEMORY_RESULTS, MEMORY_SUMMARY, PLOTS_DIR
+from pipelines.measure import memory_plots, memory_verdict
+
+log = logging.getLogger(__name__)
+
+
+def main() -> int:
+    params = load_params()
+    results = {}
+    for name in [*params.variants, *params.candidates]:
+        path = MEMORY_RESULTS / f"{name}.json"
+        results[name] = read_json(path) if path.is_file() else {"status": "failed", "error": f"{path} missing"}
+    summary = memory_verdict.summarize(results, params.memory)
+    write_json(MEMORY_SUMMARY, summary)
+    memory_plots.plot_all(results, PLOTS_DIR)
+    for name, row in summary["variants"].items():
+        if row["status"] == "ok":
+            excess = row["growth_excess_pct"]
+            log.info("memory-report %-10s footprint %10s B  growth excess vs fp16 %s  leak %s%s", name,
+                     f"{row['footprint_bytes']:,}", "n/a" if excess is None else f"{excess:+.3f} %", row["leak"],
+                     f"  OUT OF MEMORY: {row['oom']}" if row["oom"] else "")
+        else:
+            log.info("memory-report %-10s FAILED: %s", name, row["error"])
+    return 0

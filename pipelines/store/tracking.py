@@ -1,0 +1,44 @@
+"""Where quantgate's MLflow store is: MLFLOW_TRACKING_URI, else a SQLite file at the repository root.
+
+record writes there, gate and fetch read there, doctor checks it, `quantgate ui` opens it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger("pipelines.store")
+
+
+def repository_root() -> Path:
+    """DVC_ROOT in dvc runs (stages may run from a subfolder), else the current folder."""
+    return Path(os.environ.get("DVC_ROOT", ".")).resolve()
+
+
+def artifact_root() -> Path:
+    """Artifacts of the default SQLite store live beside it (DVC_ROOT in dvc runs), not in the cwd."""
+    return repository_root() / "mlartifacts"
+
+
+def tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI when set, else the SQLite store at the repository root (DVC_ROOT in dvc runs)."""
+    if uri := os.environ.get("MLFLOW_TRACKING_URI"):
+        return uri
+    return f"sqlite:///{repository_root() / 'mlflow.db'}"
+
+
+def ui(port: int = 5000) -> int:
+    """`quantgate ui`: the MLflow UI on localhost over quantgate's tracking store (a tracking server is its own UI)."""
+    uri = tracking_uri()
+    if uri.split(":", 1)[0] in ("http", "https"):
+        log.info("MLflow UI: MLFLOW_TRACKING_URI names a tracking server, which serves the UI itself: open %s", uri)
+        return 0
+    mlflow = shutil.which("mlflow") or str(Path(sys.executable).with_name("mlflow"))
+    cmd = [mlflow, "ui", "--backend-store-uri", uri, "--host", "127.0.0.1", "--port", str(port)]
+    log.info("MLflow UI on http://127.0.0.1:%d (Ctrl-C stops it)", port)
+    return subprocess.call(cmd)
