@@ -17,7 +17,9 @@ import shlex
 from pipelines.core import lineage
 from pipelines.evaluation import standard_tasks
 from pipelines.judging import stats
-from pipelines.compare import BASELINE, by_id, pairing_problems, rederive, usable
+from pipelines.core.paths import BASELINE
+from pipelines.evaluation.plans import by_id
+from pipelines.judging.verdict import pairing_problems, rederive, usable
 from pipelines.core.params import Params
 
 EXIT = {"pass": 0, "fail": 1, "undecided": 2}
@@ -173,40 +175,6 @@ def _worst(verdicts) -> str:
     return "fail" if "fail" in verdicts else "undecided" if "undecided" in verdicts or not verdicts else "pass"
 
 
-def regression_against(candidate_items: list[dict], production_items: list[dict], params: Params) -> list[str]:
-    """Why the candidate regresses against the production version on some row (empty: it does not): each
-    domain's probes and each of its standard tasks (`<domain>:<task>`) under the domain's margin.
-
-    Paired on the items both versions answered (each answered a prefix of the pool's evaluation order, so
-    the shorter one), same ids and prompt hashes; a domain whose items do not pair, or whose score interval
-    reaches below the domain's margin, refuses the promotion.
-    """
-    reasons = []
-    rows = [(domain, domain) for domain in params.evaluate.domains] + \
-        [(standard_tasks.row_key(domain, spec.name), domain)
-         for domain in params.evaluate.domains for spec in params.evaluate.tasks.get(domain, [])]
-    for row_name, domain in rows:  # the domains' probes and their standard-task rows, each paired on its own
-        prod, cand = by_id(production_items, row_name), by_id(candidate_items, row_name)
-        common = sorted(set(prod) & set(cand))
-        problems = pairing_problems(prod, cand, common, "production")
-        if problems or not common:
-            reasons.append(f"{row_name}: the candidate's items do not pair with production's "
-                           f"({'; '.join(problems) or 'no items in common'})")
-            continue
-        before = [prod[i]["correct"] for i in common]
-        after = [cand[i]["correct"] for i in common]
-        paired = stats.paired_comparison(before, after, families=[prod[i].get("family") or i for i in common],
-                                         confidence=params.compare.confidence)
-        # stats names the base side fp16 (as in compare.json); here the base is the production version
-        paired["accuracy_production"] = paired.pop("accuracy_fp16")
-        margin = params.compare.policy_for(domain).max_accuracy_drop
-        if not math.isfinite(paired["ci_low"]) or paired["ci_low"] < -margin:
-            reasons.append(f"{row_name}: accuracy {paired['accuracy']:.3f} vs production "
-                           f"{paired['accuracy_production']:.3f} on {len(common)} common items, difference interval "
-                           f"[{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}] reaches below -{margin}")
-    return reasons
-
-
 def _fmt(value, spec: str) -> str:
     """A number for the report; anything else shown as what it is, so a bad value is visible, not fatal."""
     if not usable(value):
@@ -255,67 +223,6 @@ def render_report(result: dict, report: dict | None, table: dict | None) -> str:
     return "\n".join(lines)
 
 
-def promote_candidate(tracking_uri: str, model_name: str, result: dict, params: Params, digest: str) -> dict:
-    """Move `production` to the `candidate` version when it was gated here, its stored checkpoint still has
-    the registered hashes, and it regresses against nothing."""
-    from pipelines.record import using_store
-
-    with using_store(tracking_uri) as client:
-        return _promote(client, model_name, result, params, digest)
-
-
-def _promote(client, model_name: str, result: dict, params: Params, digest: str) -> dict:
-    import mlflow
-    from mlflow.exceptions import MlflowException
-
-    from pipelines.core.errors import QuantgateError
-    from pipelines.core.io import read_jsonl
-    from pipelines.models.loading import VARIANTS_DIR
-    from pipelines.record import (CANDIDATE_ALIAS, CHECKPOINT_TAG, DIGEST_TAG, MANIFEST, PRODUCTION_ALIAS,
-                                  listed_digest, verify_version)
-
-    def by_alias(alias):
-        try:
-            return client.get_model_version_by_alias(model_name, alias)
-        except MlflowException:
-            return None
-
-    def items_of(version) -> list[dict]:
-        return read_jsonl(mlflow.artifacts.download_artifacts(run_id=version.run_id, artifact_path="eval/items.jsonl"))
-
-    candidate = by_alias(CANDIDATE_ALIAS)
-    if candidate is None:
-        return {"status": "refused", "detail": f"no version of {model_name!r} carries the alias {CANDIDATE_ALIAS!r}: run dvc repro"}
-    variant = candidate.tags.get("variant")
-    label = f"{model_name} version {candidate.version} ({variant})"
-    if candidate.tags.get(DIGEST_TAG) != digest:
-        return {"status": "refused", "detail": f"{label} was registered from other results than the current dvc.lock"}
-    if variant not in result["gated"]:
-        return {"status": "refused", "detail": f"{label} was not among the gated variants ({', '.join(result['gated'])})"}
-    gated = listed_digest(VARIANTS_DIR / variant)  # the workspace DVC vouched for just now
-    if candidate.tags.get(CHECKPOINT_TAG) != gated:
-        return {"status": "refused", "version": str(candidate.version),
-                "detail": f"{label}: its {CHECKPOINT_TAG} tag {candidate.tags.get(CHECKPOINT_TAG)} is not the gated "
-                          f"checkpoint's {gated} (models/variants/{variant}/{MANIFEST}): the registry was changed"}
-    try:  # production must name the bytes that were gated: every stored file against the version's hashes
-        verify_version(client, candidate)
-    except QuantgateError as err:
-        return {"status": "refused", "version": str(candidate.version),
-                "detail": f"{label}: its stored checkpoint is not the one gated: {err}"}
-    production = by_alias(PRODUCTION_ALIAS)
-    if production is not None and production.version == candidate.version:
-        return {"status": "unchanged", "detail": f"{label} is already {PRODUCTION_ALIAS}", "version": str(candidate.version)}
-    if production is not None:
-        reasons = regression_against(items_of(candidate), items_of(production), params)
-        if reasons:
-            return {"status": "refused", "version": str(candidate.version),
-                    "detail": f"{label} regresses against {PRODUCTION_ALIAS} version {production.version} "
-                              f"({production.tags.get('variant')}): " + "; ".join(reasons)}
-    client.set_registered_model_alias(model_name, PRODUCTION_ALIAS, candidate.version)
-    before = f"replaces version {production.version}" if production is not None else "first production version"
-    return {"status": "promoted", "version": str(candidate.version), "detail": f"{label} is now {PRODUCTION_ALIAS} ({before})"}
-
-
 def main(variant: list[str] | None = None, promote: bool = False) -> int:
     """`quantgate gate`: the release verdict; exit 0 pass, 1 fail, 2 could not decide (any exception included)."""
     import logging
@@ -358,6 +265,7 @@ def main(variant: list[str] | None = None, promote: bool = False) -> int:
                 result.update(mlflow_run_id=run.get("parent_run_id"), experiment=params.mlflow.experiment)
         if promote:
             if result["verdict"] == "pass":
+                from pipelines.store.promotion import promote_candidate
                 from pipelines.store.tracking import tracking_uri
 
                 result["promotion"] = promote_candidate(tracking_uri(), params.registered_model_name(), result, params,

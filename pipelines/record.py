@@ -34,12 +34,13 @@ import mlflow
 import pandas as pd
 from mlflow import MlflowClient
 
-from pipelines.compare import BASELINE, flat_rows, usable
+from pipelines.judging.comparison import flat_rows
+from pipelines.judging.verdict import usable
 from pipelines.core.errors import QuantgateError
 from pipelines.core.io import read_json, read_jsonl, sha256_file
 from pipelines.core.params import DERIVED_FROM_REQUESTS, Params
-from pipelines.route import weights_sha256
-from pipelines.core.paths import MANIFEST
+from pipelines.models.loading import weights_sha256
+from pipelines.core.paths import BASELINE, MANIFEST
 
 KIND_TAG = "quantgate.kind"
 DIGEST_TAG = "quantgate.results_digest"  # sha256 of every dvc.lock entry but record's (lineage.results_digest)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipelines.compare import BASELINE, usable
 from pipelines.core.io import read_json
+from pipelines.core.paths import BASELINE
+from pipelines.judging.verdict import usable
+from pipelines.models.loading import weights_sha256
 
 
 def cost_bytes(memory: dict | None, tokens: int) -> float | None:
@@ -25,11 +27,6 @@ def cost_bytes(memory: dict | None, tokens: int) -> float | None:
     if not usable(per_token):
         return None
     return memory["footprint_bytes"] + per_token * tokens
-
-
-def weights_sha256(manifest: dict | None) -> dict[str, str]:
-    """The checkpoint's weight files and their sha256, from its manifest."""
-    return {k: v for k, v in ((manifest or {}).get("files") or {}).items() if k.endswith(".safetensors")}
 
 
 def provenance(name: str, variants_dir: Path, compare_row: dict | None) -> dict:

@@ -94,6 +94,11 @@ def variant_manifest(variant_dir: str | Path) -> dict:
 SPREAD_METHODS = ("none", "bnb-int8")
 
 
+def weights_sha256(manifest: dict | None) -> dict[str, str]:
+    """The checkpoint's weight files and their sha256, from its manifest."""
+    return {k: v for k, v in ((manifest or {}).get("files") or {}).items() if k.endswith(".safetensors")}
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 

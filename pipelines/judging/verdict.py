@@ -1,0 +1,189 @@
+"""The verdict's rules: the one place where numbers become pass, inconclusive or fail.
+
+compare judges every row with `judge`; the gate re-derives each row from compare.json's numbers with
+`rederive` (the same rules) and refuses rows whose numbers contradict each other. The accuracy rule is
+non-inferiority (judging/sequential.py): `pass` when the interval's low end is at or above -margin,
+`fail` when the point estimate is below -margin, `inconclusive` only when the interval straddles -margin
+after the last look; every other limit is a hard limit.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pipelines.core.params import Params, PolicyParams
+from pipelines.core.paths import BASELINE
+from pipelines.evaluation.plans import PLACEHOLDERS
+from pipelines.evaluation import standard_tasks
+from pipelines.evaluation.plans import by_id
+from pipelines.judging import sequential, stats
+
+VERDICTS = ("pass", "inconclusive", "fail")
+MIN_FIDELITY_TOKENS = 100  # llama.cpp prints no KL summary below 100 scored tokens
+
+
+def usable(value) -> bool:
+    """A real, finite number: not None, NaN, inf, a bool, a string or an lm-eval placeholder."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and value not in PLACEHOLDERS
+
+
+def pairing_problems(base: dict[str, dict], variant: dict[str, dict], ids: list[str],
+                     base_name: str = BASELINE) -> list[str]:
+    """Why the two models' records of `ids` cannot be paired: missing items, other prompts, no true/false."""
+    problems = []
+    missing = [i for i in ids if i not in base]
+    if missing:
+        problems.append(f"{base_name} has no record of {len(missing)} of the items (e.g. {missing[0]})")
+    missing = [i for i in ids if i not in variant]
+    if missing:
+        problems.append(f"no record of {len(missing)} of the items (e.g. {missing[0]})")
+    both = [i for i in ids if i in base and i in variant]
+    differ = [i for i in both if (base[i].get("doc_hash"), base[i].get("prompt_hash"))
+              != (variant[i].get("doc_hash"), variant[i].get("prompt_hash"))]
+    if differ:
+        problems.append(f"{len(differ)} items have other prompts than {base_name}'s (e.g. {differ[0]})")
+    differ = [i for i in both if base[i].get("filter") != variant[i].get("filter")]
+    if differ:  # a standard task's answers extracted by another filter are not the same measurement
+        problems.append(f"{len(differ)} items were scored through another lm-eval filter than {base_name}'s "
+                        f"(e.g. {differ[0]}: {variant[differ[0]].get('filter')!r} vs {base[differ[0]].get('filter')!r})")
+    if any(not isinstance(base[i].get("correct"), bool) or not isinstance(variant[i].get("correct"), bool) for i in both):
+        problems.append("an item has no true/false correctness")
+    return problems
+
+
+def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, policy: PolicyParams,
+          identical: bool, tasks: dict[str, dict] | None = None) -> tuple[str, list[str], dict]:
+    """Verdict, reasons and the value/limit of each check, for one variant and domain.
+
+    The accuracy part is sequential.accuracy_rule on the decisive look's numbers; every other limit is
+    a hard limit (flips, KL, memory growth beyond fp16's, a leak, an out-of-memory error). `tasks`: the
+    domain's standard-task rows ({row: {"verdict", "reasons"}}, as compare.json keeps them in the domain's
+    row): one that fails (or has no known verdict) fails the domain, one that is inconclusive makes an
+    otherwise passing domain inconclusive.
+    """
+    fails, checks = [], {}
+    task_fails, task_open = _task_verdicts(tasks)
+    paired = paired or {}
+    margin = policy.max_accuracy_drop
+    kl = (fidelity or {}).get("kl", {}).get(policy.kl_percentile)
+    tokens = (fidelity or {}).get("tokens")
+    growth = (memory or {}).get("growth_excess_pct")
+    required = {"accuracy difference": paired.get("difference"), "interval low end": paired.get("ci_low"),
+                "interval high end": paired.get("ci_high"), "interval confidence": paired.get("confidence"),
+                "item count": paired.get("items"), "flip rate": paired.get("flip_rate"),
+                f"KL {policy.kl_percentile}": kl, "fidelity tokens": tokens, "memory growth excess": growth}
+    memory, out_of_memory = memory or {}, []
+    if memory.get("oom"):  # named even when the soak stopped too early to give a growth rate
+        out_of_memory.append(f"out of memory: {memory['oom']}")
+    for name, value in required.items():
+        if not usable(value):
+            fails.append(f"{name} is missing or not a number ({value!r})")
+    if fails:
+        return "fail", out_of_memory + fails + task_fails, checks
+    fails += _inconsistent(paired)
+    if fails:
+        return "fail", fails + task_fails, checks
+    if tokens < MIN_FIDELITY_TOKENS:
+        fails.append(f"KL over {tokens} tokens only (at least {MIN_FIDELITY_TOKENS})")
+    if identical:
+        fails.append("every response and every token distribution equals fp16's: the variant was not really evaluated")
+    if paired.get("accuracy_fp16") == 0 and paired.get("accuracy") == 0:
+        fails.append(f"fp16 and the variant answer none of the {paired['items']} items correctly: the probes measure "
+                     "nothing here (check the task's answer extraction, or the model is not up to the domain)")
+    accuracy, why = sequential.accuracy_rule(paired, margin)
+    checks["accuracy_drop"] = {"value": -paired["difference"], "ci_low": paired["ci_low"], "limit": margin,
+                               "decision": accuracy}
+    if accuracy == sequential.FAIL:
+        fails.append(why)
+    checks["flip_rate"] = {"value": paired["flip_rate"], "limit": policy.max_flip_rate}
+    if paired["flip_rate"] > policy.max_flip_rate:
+        fails.append(f"flip rate {paired['flip_rate']:.3f} > {policy.max_flip_rate:.3f}")
+    checks["kl"] = {"value": kl, "limit": policy.max_kl, "percentile": policy.kl_percentile}
+    if kl > policy.max_kl:
+        fails.append(f"KL {policy.kl_percentile} {kl:.4f} > {policy.max_kl}")
+    checks["growth_excess_pct"] = {"value": growth, "limit": policy.max_growth_excess_pct}
+    if growth > policy.max_growth_excess_pct:
+        fails.append(f"memory grows {growth:.2f} % of fp16's footprint more than fp16 (limit {policy.max_growth_excess_pct} %)")
+    if memory.get("leak"):
+        fails.append("memory keeps growing under repeated traffic (leak)")
+    fails += out_of_memory + task_fails
+    if fails:
+        return "fail", fails, checks
+    if accuracy == sequential.UNDECIDED or task_open:
+        return "inconclusive", ([why] if accuracy == sequential.UNDECIDED else []) + task_open, checks
+    return "pass", [f"{why}; every limit met" + (f"; task rows {', '.join(tasks)} pass" if tasks else "")], checks
+
+
+def _task_verdicts(tasks: dict[str, dict] | None) -> tuple[list[str], list[str]]:
+    """(why the domain fails, why it is inconclusive) from its task rows' verdicts."""
+    fails, open_ = [], []
+    for key, row in (tasks or {}).items():
+        verdict = (row or {}).get("verdict")
+        why = f"task row {key} did not pass ({verdict}): {'; '.join((row or {}).get('reasons') or [])}"
+        if verdict == "inconclusive":
+            open_.append(why)
+        elif verdict != "pass":
+            fails.append(why)
+    return fails, open_
+
+
+def _inconsistent(paired: dict) -> list[str]:
+    """Paired numbers that contradict each other (a hand-edited or corrupted row): never judged, failed."""
+    n, lost, gained = paired["items"], paired.get("correct_to_wrong"), paired.get("wrong_to_correct")
+    out = []
+    if n <= 0:
+        out.append(f"judged on {n} items")
+    elif not (usable(lost) and usable(gained)) or not math.isclose(paired["difference"], (gained - lost) / n, abs_tol=1e-9):
+        out.append(f"difference {paired['difference']!r} is not (wrong->correct - correct->wrong) / items "
+                   f"= ({gained!r} - {lost!r}) / {n}")
+    if not paired["ci_low"] <= paired["difference"] <= paired["ci_high"]:
+        out.append(f"interval [{paired['ci_low']!r}, {paired['ci_high']!r}] does not contain the difference "
+                   f"{paired['difference']!r}")
+    return out
+
+
+def rederive(paired: dict | None, fidelity: dict | None, memory: dict | None, policy: PolicyParams, identical: bool,
+             problems: list[str], tasks: dict[str, dict] | None = None) -> tuple[str, list[str], dict]:
+    """The verdict of one compare.json row from its own numbers (and, for a domain's row, its task rows'
+    verdicts it keeps under `tasks`): records that do not follow the plan fail, everything else is `judge`'s.
+    compare writes it, gate re-derives it, and the two must agree."""
+    verdict, why, checks = judge(paired, fidelity, memory, policy, identical, tasks)
+    if problems:
+        return "fail", problems + why, checks
+    return verdict, why, checks
+
+
+def regression_against(candidate_items: list[dict], production_items: list[dict], params: Params) -> list[str]:
+    """Why the candidate regresses against the production version on some row (empty: it does not): each
+    domain's probes and each of its standard tasks (`<domain>:<task>`) under the domain's margin.
+
+    Paired on the items both versions answered (each answered a prefix of the pool's evaluation order, so
+    the shorter one), same ids and prompt hashes; a domain whose items do not pair, or whose score interval
+    reaches below the domain's margin, refuses the promotion.
+    """
+    reasons = []
+    rows = [(domain, domain) for domain in params.evaluate.domains] + \
+        [(standard_tasks.row_key(domain, spec.name), domain)
+         for domain in params.evaluate.domains for spec in params.evaluate.tasks.get(domain, [])]
+    for row_name, domain in rows:  # the domains' probes and their standard-task rows, each paired on its own
+        prod, cand = by_id(production_items, row_name), by_id(candidate_items, row_name)
+        common = sorted(set(prod) & set(cand))
+        problems = pairing_problems(prod, cand, common, "production")
+        if problems or not common:
+            reasons.append(f"{row_name}: the candidate's items do not pair with production's "
+                           f"({'; '.join(problems) or 'no items in common'})")
+            continue
+        before = [prod[i]["correct"] for i in common]
+        after = [cand[i]["correct"] for i in common]
+        paired = stats.paired_comparison(before, after, families=[prod[i].get("family") or i for i in common],
+                                         confidence=params.compare.confidence)
+        # stats names the base side fp16 (as in compare.json); here the base is the production version
+        paired["accuracy_production"] = paired.pop("accuracy_fp16")
+        margin = params.compare.policy_for(domain).max_accuracy_drop
+        if not math.isfinite(paired["ci_low"]) or paired["ci_low"] < -margin:
+            reasons.append(f"{row_name}: accuracy {paired['accuracy']:.3f} vs production "
+                           f"{paired['accuracy_production']:.3f} on {len(common)} common items, difference interval "
+                           f"[{paired['ci_low']:+.3f}, {paired['ci_high']:+.3f}] reaches below -{margin}")
+    return reasons
