@@ -6,11 +6,11 @@ Builds (or reuses, in --dir) an fp16 safetensors checkpoint of random tensors sh
 sharded with an index, about --mb megabytes, plus the base model's config.json; both get the shipped reference
 model's tokenizer, which admission loads and compares with the base's. Then, each --repeats
 times, alternating: reads every file once into a reused buffer, validates the folder
-(`candidates.validate`: every check, hash and NaN/inf scan, no copy) and admits it (`candidates.admit`:
+(`admission.validate`: every check, hash and NaN/inf scan, no copy) and admits it (`admission.admit`:
 the same plus the copy). Each is timed warm (the files in the page cache: the fastest a reader
 can get the bytes) and cold (the files' pages dropped first with posix_fadvise(DONTNEED), which needs no
 root; on a virtual disk the host may still cache them). For scale it also times a plain sha256 of every file
-on one core, which the manifest needs anyway, and phase 1 alone (`candidates.inspect`: the checks that read no
+on one core, which the manifest needs anyway, and phase 1 alone (`admission.inspect`: the checks that read no
 tensor bytes), the fixed cost that a small checkpoint weighs more than a 70B one. Prints the fastest of each, the
 ratios, and the median of the per-repeat ratios (a cold read and a cold admit one after the other), which the
 virtual disk's swings move less than the fastest of each; the goal is admit / read <= 1.5. The run is written to
@@ -35,7 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks import measured  # noqa: E402
-from pipelines import candidates  # noqa: E402
+from pipelines.checkpoints import admission, copying  # noqa: E402
+from pipelines.checkpoints.context import Candidate  # noqa: E402
+from pipelines.checkpoints.shards import INDEX  # noqa: E402
 
 
 def llama_config(mb: int) -> dict:
@@ -79,7 +81,7 @@ def build(root: Path, mb: int, shards: int) -> tuple[Path, Path]:
                   metadata={"format": "pt"})
         weight_map.update({n: file for n in part})
     total = sum((cand / f).stat().st_size for f in set(weight_map.values()))
-    (cand / candidates.INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (cand / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     add_tokenizer(base, cand)
     return cand, base
 
@@ -94,7 +96,7 @@ def add_tokenizer(*folders: Path) -> None:
 
 def read_once(folder: Path) -> int:
     """Every byte of every file read once into a reused buffer; returns the bytes read."""
-    buf = memoryview(bytearray(candidates.CHUNK_BYTES))
+    buf = memoryview(bytearray(copying.CHUNK_BYTES))
     total = 0
     for path in sorted(folder.iterdir()):
         with path.open("rb") as fh:
@@ -105,7 +107,7 @@ def read_once(folder: Path) -> int:
 
 def sha256_all(folder: Path) -> None:
     """sha256 of every file, one after another on one core: what `sha256sum *` costs (warm)."""
-    buf = memoryview(bytearray(candidates.CHUNK_BYTES))
+    buf = memoryview(bytearray(copying.CHUNK_BYTES))
     for path in sorted(folder.iterdir()):
         digest = hashlib.sha256()
         with path.open("rb") as fh:
@@ -147,17 +149,17 @@ def main() -> int:
 
     def admit() -> None:
         shutil.rmtree(out, ignore_errors=True)
-        manifest = candidates.admit("bench", str(cand), str(base), out)
+        manifest = admission.admit("bench", str(cand), str(base), out)
         assert manifest["status"] == "ok", manifest.get("reasons")
 
     def validate() -> None:
-        report = candidates.validate(cand, str(base))
+        report = admission.validate(cand, str(base))
         assert report["admitted"], report["reasons"]
 
     for _ in range(args.repeats):
         times["read"].append(timed(lambda: read_once(cand)))
         times["sha256"].append(timed(lambda: sha256_all(cand)))
-        times["phase 1"].append(timed(lambda: candidates.inspect(cand, str(base), candidates.Inspection())))
+        times["phase 1"].append(timed(lambda: admission.inspect(Candidate(cand, str(base)))))
         times["validate"].append(timed(validate))
         times["admit"].append(timed(admit))
         drop_cache(cand)

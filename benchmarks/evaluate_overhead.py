@@ -24,7 +24,7 @@ from benchmarks import measured  # noqa: E402
 from pipelines import evaluate, logs  # noqa: E402
 from pipelines.evaluation import fidelity
 from pipelines.models.loading import load_variant  # noqa: E402
-from pipelines.core.params import DEFAULT_PROBES as PROBES  # noqa: E402
+from pipelines.core.params_requests import DEFAULT_PROBES as PROBES  # noqa: E402
 
 DOMAINS = ["math", "chat", "code_comment"]  # code probes add sandbox time that bare lm-eval would not have
 

@@ -4,7 +4,7 @@
 
 Simulates paired probe results (fp16 and a variant answering the same items) and judges each simulated
 run with the project's own functions: sequential.run_looks (the looks and the accuracy rule that evaluate,
-compare and gate share) and compare.judge (the verdict). Items come in families, as probe items do
+compare and gate share) and verdict.judge (the verdict). Items come in families, as probe items do
 (templates, kinds of math): with `families`, each family gets its own flip propensity (gamma-distributed,
 coefficient of variation 1), so flips cluster the way a quantization that breaks one template makes them.
 
@@ -30,8 +30,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import measured  # noqa: E402
-from pipelines import compare, sequential  # noqa: E402
-from pipelines.core.params import PolicyParams  # noqa: E402
+from pipelines.judging import sequential  # noqa: E402
+from pipelines.judging.verdict import judge  # noqa: E402
+from pipelines.core.params_requests import PolicyParams  # noqa: E402
 
 MARGIN = 0.05
 POLICY = PolicyParams(max_accuracy_drop=MARGIN, max_flip_rate=1.0, kl_percentile="p99", max_kl=1.0,
@@ -61,7 +62,7 @@ def judge_run(base, variant, labels, looks: list[int], alpha: float) -> tuple[st
     v = dict(zip(ids, map(bool, variant)))
     fam = dict(zip(ids, map(str, labels)))
     run = sequential.run_looks(b, v, ids, looks, fam, MARGIN, alpha, "pocock")
-    verdict, _, _ = compare.judge(run["paired"], FIDELITY, MEMORY, POLICY, identical=False)
+    verdict, _, _ = judge(run["paired"], FIDELITY, MEMORY, POLICY, identical=False)
     return verdict, run["paired"]["items"]
 
 

@@ -41,9 +41,10 @@ from pipelines.evaluation import fidelity
 from pipelines import logs  # noqa: E402
 from pipelines.evaluate import full_text, probe_items  # noqa: E402
 from pipelines.models.loading import load_variant, resolve_device, resolve_model  # noqa: E402
-from pipelines.core.params import VariantParams, load_params  # noqa: E402
+from pipelines.core.params import load_params  # noqa: E402
+from pipelines.core.params_sections import VariantParams  # noqa: E402
 from pipelines.quantize import quantize_variant  # noqa: E402
-from pipelines.reference import greedy_completions  # noqa: E402
+from pipelines.models.skills import greedy_completions  # noqa: E402
 
 BUILT = Path("calibration_sets/built")
 FP16 = Path("models/variants/fp16")

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 
-from pipelines.checkpoints import candidates
+from pipelines.checkpoints.admission import admit
+from pipelines.checkpoints.manifest import record_failure
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params import load_params
 from pipelines.models.loading import resolve_model
@@ -24,10 +25,10 @@ def main(candidate: str, failed_because: str | None = None) -> int:
     source = resolve_model(params.model)
     path = params.candidates[candidate].path
     if failed_because:  # `quantgate fanout` records a run that died outside the stage (docs/fanout.md)
-        candidates.record_failure(candidate, path, source.location, failed_because)
+        record_failure(candidate, path, source.location, failed_because)
         log.warning("admit %s: recorded as FAILED (%s)", candidate, failed_because)
         return 0
-    manifest = candidates.admit(candidate, path, source.location)
+    manifest = admit(candidate, path, source.location)
     if manifest["status"] == "ok":
         log.info("admit %s: %s checkpoint validated (%d tensors) -> models/variants/%s", candidate,
                  manifest["method"], manifest["validation"]["tensors"], candidate)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
-from pipelines.core.paths import BASELINE
+from pipelines.core.paths import BASELINE, REFERENCE_DIR
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def inputs_fingerprint(root: Path, params) -> dict[str, list[int]]:
     the inputs as they are when it runs; if they changed since the tasks started, it would vouch for outputs made
     from other inputs, so the fan-out refuses to commit instead."""
     paths = [root / "params.yaml", root / "dvc.yaml", root / "pipelines", root / "eval", root / "calibration_sets",
-             root / "models" / "reference", *[(root / c.path) for c in params.candidates.values()]]
+             root / REFERENCE_DIR, *[(root / c.path) for c in params.candidates.values()]]
     seen: dict[str, list[int]] = {}
     for top in paths:
         files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else []

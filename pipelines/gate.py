@@ -5,89 +5,21 @@ non-numeric required metric, a refused promotion). Exit 2: it could not decide (
 the workspace differs from what DVC recorded, compare.json disagrees with its own numbers or with the
 per-item records, an `inconclusive` verdict, any exception inside the gate).
 The gate decides only on the workspace it stands in (DVC's own status must be clean) and never trusts
-a verdict field: it re-derives each verdict from compare.json's numbers with compare's own function,
-and recomputes compare.json from the per-item records.
+a verdict field: it re-derives each verdict from compare.json's numbers with the rules compare judged by
+(judging/verdict.py), and recomputes compare.json from the per-item records (judging/comparison.py).
 """
 
 from __future__ import annotations
 
-import math
 import shlex
 
 from pipelines.core import lineage
-from pipelines.evaluation import standard_tasks
-from pipelines.judging import stats
-from pipelines.core.paths import BASELINE
-from pipelines.evaluation.plans import by_id
-from pipelines.judging.verdict import pairing_problems, rederive, usable
 from pipelines.core.params import Params
+from pipelines.core.paths import BASELINE
+from pipelines.evaluation import standard_tasks
+from pipelines.judging.verdict import check_row, inconsistencies, usable, worst
 
 EXIT = {"pass": 0, "fail": 1, "undecided": 2}
-KEY_NUMBERS = ("items", "difference", "ci_low", "ci_high", "correct_to_wrong", "wrong_to_correct", "design_effect")
-
-
-def _required(row: dict, policy: dict) -> dict:
-    """The numbers the policy needs, as compare.json holds them."""
-    paired = row.get("paired") or {}
-    kl = ((row.get("fidelity") or {}).get("kl") or {}).get(policy["kl_percentile"])
-    growth = ((row.get("checks") or {}).get("growth_excess_pct") or {}).get("value")
-    return {"accuracy": paired.get("accuracy"), "accuracy_fp16": paired.get("accuracy_fp16"),
-            "difference": paired.get("difference"), "ci_low": paired.get("ci_low"), "flip_rate": paired.get("flip_rate"),
-            f"kl_{policy['kl_percentile']}": kl, "growth_excess_pct": growth}
-
-
-def inconsistencies(name: str, domain: str, row: dict, fresh: dict | None, memory: dict | None,
-                    params: Params) -> list[str]:
-    """Why compare.json's row cannot be believed: its verdict is not what its own numbers give, or it is not
-    what the per-item records in the workspace give today."""
-    where = f"{name} {domain}"
-    policy = params.compare.policy_for(domain)
-    if row.get("policy") != policy.model_dump():
-        return [f"{where}: compared under another policy than params.yaml's"]
-    out = []
-    if row.get("paired") or row.get("record_problems"):
-        again, _, _ = rederive(row.get("paired"), row.get("fidelity"), memory, policy,
-                               bool(row.get("identical_to_fp16")), list(row.get("record_problems") or []),
-                               row.get("tasks"))
-        if again != row.get("verdict"):
-            out.append(f"{where}: compare.json says {row.get('verdict')!r} but its own numbers give {again!r}")
-    if fresh is None:
-        return out + [f"{where}: not in a comparison recomputed from the workspace"]
-    if fresh.get("verdict") != row.get("verdict"):
-        out.append(f"{where}: compare.json says {row.get('verdict')!r}, the per-item records in the workspace give "
-                   f"{fresh.get('verdict')!r}")
-    theirs, ours = row.get("paired") or {}, fresh.get("paired") or {}
-    differ = [k for k in KEY_NUMBERS if not _same(theirs.get(k), ours.get(k))]
-    if differ:
-        out.append(f"{where}: compare.json's {', '.join(differ)} differ from the per-item records'")
-    return out
-
-
-def _same(a, b) -> bool:
-    if usable(a) and usable(b):
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
-    return a == b
-
-
-def check_row(name: str, domain: str, row: dict | None, params: Params) -> tuple[str, list[str]]:
-    """One variant and domain of a compare.json already found consistent: `pass`, `fail` or `undecided`, and why."""
-    if row is None:
-        return "fail", [f"{name} {domain}: no comparison"]
-    policy = params.compare.policy_for(domain).model_dump()
-    if row.get("verdict") == "inconclusive" and row.get("unmeasured") and not row.get("paired"):
-        # this machine could not measure (no sandbox, a library or kernel missing): no evidence either way
-        return "undecided", [f"{name} {domain}: {r}" for r in row.get("reasons") or ["not measured"]]
-    if row.get("verdict") == "fail" or not row.get("paired"):
-        return "fail", [f"{name} {domain}: {r}" for r in row.get("reasons") or ["failed"]]
-    reasons = [f"{name} {domain}: {key} is missing or not a number ({value!r})"
-               for key, value in _required(row, policy).items() if not usable(value)]
-    if reasons:
-        return "fail", reasons
-    if row.get("verdict") == "inconclusive":
-        return "undecided", [f"{name} {domain}: inconclusive: {'; '.join(row.get('reasons') or [])}"]
-    if row.get("verdict") != "pass":
-        return "fail", [f"{name} {domain}: unknown verdict {row.get('verdict')!r}"]
-    return "pass", []
 
 
 def rerun_command(judged: object, judged_digest: object, now: dict | None) -> str:
@@ -158,21 +90,16 @@ def decide(report: dict | None, fresh: dict | None, params: Params, changes: lis
             per_domain[domain] = verdict
             outcomes.append(verdict)
             result["reasons"].extend(why)
-        result["variants"][name] = {"verdict": _worst(per_domain.values()), "domains": per_domain}
+        result["variants"][name] = {"verdict": worst(per_domain.values()), "domains": per_domain}
     if broken:
         result["verdict"] = "undecided"
         result["reasons"] = ["compare.json is not what its numbers and the workspace's per-item records give: "
                              "run dvc repro (and do not edit results by hand)"] + broken
         return result
-    result["verdict"] = _worst(outcomes) if outcomes else "undecided"
+    result["verdict"] = worst(outcomes) if outcomes else "undecided"
     if not outcomes:
         result["reasons"].append("nothing to gate: no variants or candidates")
     return result
-
-
-def _worst(verdicts) -> str:
-    verdicts = list(verdicts)
-    return "fail" if "fail" in verdicts else "undecided" if "undecided" in verdicts or not verdicts else "pass"
 
 
 def _fmt(value, spec: str) -> str:

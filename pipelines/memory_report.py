@@ -1,13 +1,18 @@
-"""Stage `memory-report`: every variant's memory on one chart each, and its growth against fp16."""
+"""Stage `memory-report`: every variant's memory on one chart each, and its growth against fp16.
+
+The summary is what compare and record read; the charts are for people, so a machine without matplotlib
+(the air-gapped GPU check, scripts/gpu_check.py) still gets the summary.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 from pipelines.core.io import read_json, write_json
 from pipelines.core.params import load_params
 from pipelines.core.paths import MEMORY_RESULTS, MEMORY_SUMMARY, PLOTS_DIR
-from pipelines.measure import memory_plots, memory_verdict
+from pipelines.measure import verdict
 
 log = logging.getLogger(__name__)
 
@@ -18,9 +23,14 @@ def main() -> int:
     for name in [*params.variants, *params.candidates]:
         path = MEMORY_RESULTS / f"{name}.json"
         results[name] = read_json(path) if path.is_file() else {"status": "failed", "error": f"{path} missing"}
-    summary = memory_verdict.summarize(results, params.memory)
+    summary = verdict.summarize(results, params.memory)
     write_json(MEMORY_SUMMARY, summary)
-    memory_plots.plot_all(results, PLOTS_DIR)
+    if importlib.util.find_spec("matplotlib") is None:
+        log.warning("memory-report: charts not drawn: matplotlib is not installed here")
+    else:
+        from pipelines.measure import plots
+
+        plots.plot_all(results, PLOTS_DIR)
     for name, row in summary["variants"].items():
         if row["status"] == "ok":
             excess = row["growth_excess_pct"]

@@ -18,21 +18,19 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 import torch
 
+from pipelines.checkpoints.manifest import disk_bytes, library_versions
 from pipelines.core.errors import QuantgateError, environment_cause
 from pipelines.core.io import atomic_dir, sha256_file, write_json
 from pipelines.core.logs import library_output
-from pipelines.models.loading import ModelSource, VARIANTS_DIR, device_map_for, dtype_of, gpu_budget
-from pipelines.core.params import CALIBRATED_METHODS, VariantParams
-from pipelines.core.paths import BUILT_DIR, MANIFEST, METHOD_DIR, QUANTIZE_RESULTS
+from pipelines.models.loading import ModelSource, device_map_for, dtype_of, gpu_budget
+from pipelines.core.params_sections import CALIBRATED_METHODS, VariantParams
+from pipelines.core.paths import BUILT_DIR, MANIFEST, METHOD_DIR, QUANTIZE_RESULTS, VARIANTS_DIR
 
 log = logging.getLogger(__name__)
-
-LIBRARIES = ("torch", "transformers", "autoawq", "gptqmodel", "bitsandbytes", "safetensors", "accelerate")
 
 
 @dataclass
@@ -116,16 +114,6 @@ QUANTIZERS: dict[str, Callable[[Job, Path], None]] = {
 # --------------------------------------------------------------------------------------------
 
 
-def library_versions() -> dict[str, str | None]:
-    out = {}
-    for name in LIBRARIES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
 def theoretical_weight_bytes(base_config_dir: str, settings: VariantParams) -> dict:
     """Weight bytes the settings imply, from the base model's shapes (no weights loaded).
 
@@ -162,12 +150,6 @@ def theoretical_weight_bytes(base_config_dir: str, settings: VariantParams) -> d
 
 def file_hashes(folder: Path) -> dict[str, str]:
     return {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
-
-
-def disk_bytes(folder: Path) -> dict[str, int]:
-    files = [p for p in folder.iterdir() if p.is_file()]
-    return {"weights": sum(p.stat().st_size for p in files if p.suffix == ".safetensors"),
-            "total": sum(p.stat().st_size for p in files)}
 
 
 def peak_memory_bytes(device: str) -> dict[str, int | None]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipelines.core.io import read_json
-from pipelines.core.paths import BASELINE
+from pipelines.core.paths import BASELINE, MANIFEST
 from pipelines.judging.verdict import usable
 from pipelines.models.loading import weights_sha256
 
@@ -31,7 +31,7 @@ def cost_bytes(memory: dict | None, tokens: int) -> float | None:
 
 def provenance(name: str, variants_dir: Path, compare_row: dict | None) -> dict:
     """What the routed variant was built from and judged with."""
-    path = variants_dir / name / "quantgate.json"
+    path = variants_dir / name / MANIFEST
     manifest = read_json(path) if path.is_file() else {}
     tasks = {}
     if compare_row:

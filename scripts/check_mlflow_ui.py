@@ -38,7 +38,7 @@ from urllib.parse import quote
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage"]
-VIEW_ID = "quantgate-verdicts"  # pipelines/record.py VIEW_ID (repeated: this script imports no quantgate)
+VIEW_ID = "quantgate-verdicts"  # pipelines/store/layout.py VIEW_ID (repeated: this script imports no quantgate)
 VIEW_TAG = "mlflow.sharedViewState." + VIEW_ID
 VIEWPORT = {"width": 1600, "height": 1000}
 

@@ -12,7 +12,7 @@
 #
 # The GPU machine needs Python 3.12 as `python3` (or $PYTHON) with torch (CUDA), transformers, accelerate, safetensors,
 # tokenizers, psutil, nvidia-ml-py, pyyaml, numpy and scipy; the rest (pydantic and its dependencies, bitsandbytes:
-# scripts/gpu_check.py WHEELS) is installed offline from .gpu_wheels/ into a temporary folder, never into the machine's
+# scripts/gpu_wheels.py WHEELS) is installed offline from .gpu_wheels/ into a temporary folder, never into the machine's
 # site-packages. quantgate need not be installed: the stages run as `python3 -m pipelines.cli`. No dvc, mlflow,
 # lm-eval or models/reference (the tokenizer is the one shipped in reference_model/). Writes OUT_DIR (default
 # results/gpu_check): memory_summary.json, memory/<variant>.json, skipped.json, quantgate.log and, where matplotlib is

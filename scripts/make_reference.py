@@ -15,8 +15,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipelines.core import logs
 from pipelines import reference  # noqa: E402
+from pipelines.core import logs  # noqa: E402
 from pipelines.core.params import load_params  # noqa: E402
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipelines.text import probes
-from pipelines import synthetic  # noqa: E402
+from pipelines.text import synthetic  # noqa: E402
 from pipelines.text.code_comments import bare_functions  # noqa: E402
 from pipelines.core.io import write_jsonl  # noqa: E402
-from pipelines.reference import code_samples  # noqa: E402
+from pipelines.text.corpus import code_samples  # noqa: E402
 
 DIALOGUES = Path("calibration_sets/sources/chat/dialogues.jsonl")
 ZH_FUNCTIONS = Path("calibration_sets/sources/code_comment/zh_functions.jsonl")

@@ -30,7 +30,7 @@ def _repo_root(monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_params():
-    from pipelines.core.params import ReferenceParams
+    from pipelines.core.params_sections import ReferenceParams
 
     return ReferenceParams(**TINY_REFERENCE)
 
@@ -52,7 +52,7 @@ def tiny_calibration(tmp_path_factory, tiny_model) -> Path:
     from transformers import AutoTokenizer
 
     from pipelines import calibrate
-    from pipelines.core.params import CalibrationParams, CoverageParams
+    from pipelines.core.params_sections import CalibrationParams, CoverageParams
 
     os.chdir(ROOT)
     out = tmp_path_factory.mktemp("calib")
@@ -67,7 +67,7 @@ def tiny_variants(tmp_path_factory, tiny_model, tiny_calibration) -> dict[str, P
     from pipelines.core import logs
     from pipelines import quantize
     from pipelines.models.loading import ModelSource
-    from pipelines.core.params import DEFAULT_VARIANTS
+    from pipelines.core.params_sections import DEFAULT_VARIANTS
 
     logs.setup(log_file=tmp_path_factory.mktemp("logs") / "quantgate.log")
     root = tmp_path_factory.mktemp("variants")
@@ -76,3 +76,83 @@ def tiny_variants(tmp_path_factory, tiny_model, tiny_calibration) -> dict[str, P
         manifest, _ = quantize.quantize_variant(name, settings, source, tiny_calibration, "cpu", root)
         assert manifest["status"] == "ok", manifest.get("error")
     return {name: root / name for name in DEFAULT_VARIANTS}
+
+
+# ---- third-party checkpoints for the admission tests (tests/test_checkpoints_*.py), built once per session
+@pytest.fixture(scope="session")
+def direct_checkpoints(tmp_path_factory, tiny_model, tiny_calibration):
+    """Checkpoints written by the libraries themselves, not through quantgate (tests/test_checkpoints_*.py)."""
+    import json
+
+    import torch
+    from awq import AutoAWQForCausalLM
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from pipelines.core import logs
+
+    texts = [json.loads(line)["text"] for line in (tiny_calibration / "mixed.jsonl").read_text().splitlines()]
+    root = tmp_path_factory.mktemp("direct")
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    with logs.library_output("test"):
+        awq = AutoAWQForCausalLM.from_pretrained(str(tiny_model), torch_dtype=torch.float16)
+        awq.quantize(tok, quant_config={"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"},
+                     calib_data=texts, max_calib_seq_len=96)
+        awq.save_quantized(str(root / "awq"))
+        tok.save_pretrained(root / "awq")
+        gptq = GPTQModel.load(str(tiny_model), QuantizeConfig(bits=3, group_size=64), device="cpu")
+        gptq.quantize(texts)
+        gptq.save(str(root / "gptq"))
+        v2 = GPTQModel.load(str(tiny_model), QuantizeConfig(bits=4, group_size=32, format="gptq_v2"), device="cpu")
+        v2.quantize(texts)
+        v2.save(str(root / "gptq_v2"))
+        int8 = AutoModelForCausalLM.from_pretrained(str(tiny_model), device_map="cpu",
+                                                    quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+        int8.save_pretrained(root / "int8")
+        tok.save_pretrained(root / "int8")
+    return {"awq": root / "awq", "gptq": root / "gptq", "gptq_v2": root / "gptq_v2", "int8": root / "int8"}
+
+
+@pytest.fixture(scope="session")
+def ct_checkpoints(tmp_path_factory, tiny_model):
+    """compressed-tensors pack-quantized int4 (group 32), symmetric and asymmetric, written by the library's own
+    ModelCompressor; llm-compressor (which drives it with GPTQ) does not install with the pins, so the scales
+    come from each group's min/max, as its RTN path does."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelines.core import logs
+
+    root = tmp_path_factory.mktemp("ct")
+    out = {}
+    for kind, symmetric in (("sym", True), ("asym", False)):
+        args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=32)
+        with logs.library_output("test"):
+            model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float16)
+            apply_quantization_config(model, QuantizationConfig(
+                config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
+            for module in model.modules():
+                if hasattr(module, "weight_scale"):
+                    w = module.weight.detach().float().reshape(module.weight.shape[0], -1, 32)
+                    scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
+                    module.weight_scale.data.copy_(scale)
+                    module.weight_zero_point.data.copy_(zero)
+            compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+            compressor.compress_model(model)
+            model.save_pretrained(root / kind)
+            compressor.update_config(str(root / kind))
+        AutoTokenizer.from_pretrained(tiny_model).save_pretrained(root / kind)
+        out[kind] = root / kind
+    return out
+
+
+@pytest.fixture(scope="session")
+def sharded_checkpoint(tmp_path_factory, direct_checkpoints):
+    """The library-written GPTQ checkpoint split into 2 shards plus the index."""
+    from tests.checkpoint_helpers import reshard
+
+    return reshard(direct_checkpoints["gptq"], tmp_path_factory.mktemp("sharded") / "gptq")

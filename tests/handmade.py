@@ -83,10 +83,10 @@ def write_eval_items(root: Path, counts: dict[str, int]) -> None:
 
 def plans(root: Path, domains=("math", "code"), look_items: int = 10_000, max_items: int | None = None) -> dict:
     """compare's look plans over root/eval; by default one look over the whole pool."""
-    from pipelines import compare
-    from pipelines.core.params import EvaluateParams
+    from pipelines.core.params_sections import EvaluateParams
+    from pipelines.evaluation.plans import probe_plans
 
-    return compare.probe_plans(list(domains), EvaluateParams(look_items=look_items, max_items=max_items), root / "eval")
+    return probe_plans(list(domains), EvaluateParams(look_items=look_items, max_items=max_items), root / "eval")
 
 
 PARAMS_YAML = """\
@@ -145,14 +145,15 @@ def dvc_commit(root: Path) -> None:
 def rerun_compare(root: Path) -> tuple[dict, dict]:
     """compare and route over the workspace's results, then dvc.lock updated: what `dvc repro` does after
     an upstream change (the upstream digest is taken once DVC has recorded the upstream stage)."""
-    from pipelines import compare, route
+    from pipelines import route
     from pipelines.core import lineage
     from pipelines.core.params import load_params
+    from pipelines.evaluation.plans import probe_plans
+    from pipelines.judging.comparison import compare_all
 
     params = load_params(root / "params.yaml")
-    report = compare.compare_all(list(params.variants), [], compare.probe_plans(params.evaluate.domains, params.evaluate,
-                                                                                root / "eval"),
-                                 params.compare, root / "results", root / "models/variants")
+    report = compare_all(list(params.variants), [], probe_plans(params.evaluate.domains, params.evaluate, root / "eval"),
+                         params.compare, root / "results", root / "models/variants")
     write_json(root / "results/compare.json", report)
     (root / "results/compare.csv").write_text("variant\n")
     write_json(root / "results/routing_table.json", {})

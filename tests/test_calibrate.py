@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 
 from pipelines import calibrate
+from pipelines.text import coverage
 from pipelines.text.classify import AMBIGUOUS, UNKNOWN, Classifier
 from pipelines.text.code_comments import bare_functions, extract
 from pipelines.core.errors import QuantgateError
-from pipelines.core.params import CalibrationParams, CoverageParams, Params, SourceParams
+from pipelines.core.params import Params
+from pipelines.core.params_requests import SourceParams
+from pipelines.core.params_sections import CalibrationParams, CoverageParams
 from pipelines.text.pii import mask
 
 SMALL = {"samples": 64}
@@ -213,7 +216,7 @@ def test_classifier_agrees_with_the_traffic_generator_labels():
     import make_sources
 
     from pipelines.text import synthetic
-    from pipelines.reference import code_samples
+    from pipelines.text.corpus import code_samples
 
     bare = [s.code for p in sorted(Path("calibration_sets/sources/code").rglob("*.py"))
             for s in bare_functions(p.read_text(), p.name) if 3 <= s.code.count("\n") <= 12]
@@ -277,7 +280,7 @@ def fruit(threshold: float, **kw) -> CoverageParams:
 
 def test_classifier_report_counts_each_type_and_the_confusion_matrix():
     texts, labels = zip(*LABELLED)
-    measured = calibrate.classifier_report(list(texts), list(labels), fruit(0.6))
+    measured = coverage.classifier_report(list(texts), list(labels), fruit(0.6))
     assert measured["labelled_requests"] == 8 and measured["unlabelled_requests"] == 2
     assert measured["correct"] == 5 and measured["accuracy"] == 0.625
     assert (measured[UNKNOWN], measured[AMBIGUOUS]) == (1, 1)  # the unlabelled "kiwi" is not counted
@@ -295,13 +298,13 @@ def test_classifier_report_counts_each_type_and_the_confusion_matrix():
 @pytest.mark.parametrize("threshold, flagged", [(0.5, []), (0.6, ["a"]), (0.7, ["a", "b"]), (1.0, ["a", "b"])])
 def test_a_type_below_the_accuracy_threshold_is_flagged(threshold, flagged):
     texts, labels = zip(*LABELLED)
-    measured = calibrate.classifier_report(list(texts), list(labels), fruit(threshold))
+    measured = coverage.classifier_report(list(texts), list(labels), fruit(threshold))
     assert measured["flagged"] == flagged  # strictly below: a at exactly 0.5 passes a 0.5 threshold
     assert [t for t, v in measured["types"].items() if v["below_threshold"]] == flagged
 
 
 def test_unlabelled_sample_measures_nothing_and_flags_nothing():
-    measured = calibrate.classifier_report(["apple", "kiwi"], [None, None], fruit(0.9))
+    measured = coverage.classifier_report(["apple", "kiwi"], [None, None], fruit(0.9))
     assert measured["labelled_requests"] == 0 and measured["accuracy"] is None and measured["flagged"] == []
     assert all(v["accuracy"] is None and not v["below_threshold"] for v in measured["types"].values())
 
@@ -312,11 +315,11 @@ def test_a_label_that_is_no_declared_type_is_refused_with_file_and_line(tmp_path
                     + json.dumps({"text": "a poem", "label": "poetry"}) + "\n")
     with pytest.raises(QuantgateError, match=rf"{path}:3: label 'poetry' \(label\) is not a declared request type; "
                                              r"declared: a, b, c"):
-        calibrate.load_traffic(fruit(0.8, traffic=str(path)))
+        coverage.load_traffic(fruit(0.8, traffic=str(path)))
     path.write_text(json.dumps({"text": "apple", "kind": "a"}) + "\n" + json.dumps({"text": "kiwi"}) + "\n")
-    assert calibrate.load_traffic(fruit(0.8, traffic=str(path), label_field="kind")) == (["apple", "kiwi"], ["a", None])
+    assert coverage.load_traffic(fruit(0.8, traffic=str(path), label_field="kind")) == (["apple", "kiwi"], ["a", None])
     with pytest.raises(QuantgateError, match="label 'poetry' is not a declared request type"):
-        calibrate.classifier_report(["a poem"], ["poetry"], fruit(0.8))
+        coverage.classifier_report(["a poem"], ["poetry"], fruit(0.8))
 
 
 def test_run_writes_the_classifier_report_and_flags_a_type_it_misses(tmp_path, tokenizer):
@@ -339,12 +342,11 @@ def test_run_writes_the_classifier_report_and_flags_a_type_it_misses(tmp_path, t
 
 @pytest.mark.parametrize("on_gap", ["warn", "fail"])
 def test_on_gap_applies_to_a_flagged_classifier(monkeypatch, caplog, on_gap):
-    from pipelines import cli
-    from pipelines.models.loading import loading as models
+    from pipelines.models import loading as models
     from pipelines.core import params as params_module
 
     texts, labels = zip(*LABELLED)
-    measured = calibrate.classifier_report(list(texts), list(labels), fruit(0.6))
+    measured = coverage.classifier_report(list(texts), list(labels), fruit(0.6))
     report = {"domains": {}, "under_represented": [], "classifier_flagged": measured["flagged"],
               "classifier": measured, "rule": "-"}
     params = Params()
@@ -356,7 +358,7 @@ def test_on_gap_applies_to_a_flagged_classifier(monkeypatch, caplog, on_gap):
     expected = r"classifier recognises too few labelled requests of a \(50.0%, 2/4\)"
     if on_gap == "fail":
         with pytest.raises(QuantgateError, match=expected + r".*coverage.on_gap is 'fail'"):
-            cli.cmd_calibrate(None)
+            calibrate.main()
     else:
-        assert cli.cmd_calibrate(None) == 0
+        assert calibrate.main() == 0
         assert "too few labelled requests of a (50.0%, 2/4)" in caplog.text

@@ -1,5 +1,5 @@
-"""The A/B stage on hand-made results whose verdicts are known, the look plan, and the statistics
-against published values and independent implementations (statsmodels, a numerical likelihood)."""
+"""The A/B stage on hand-made results whose verdicts are known, and its look plans (the statistics are in
+test_stats.py, the look plan's arithmetic in test_sequential.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,13 @@ import math
 
 import numpy as np
 import pytest
-from scipy import optimize
 from scipy import stats as sps
-from statsmodels.stats.contingency_tables import mcnemar
-from statsmodels.stats.power import NormalIndPower
 
-from pipelines import compare
-from pipelines.judging import sequential, stats
+from pipelines.judging import comparison, sequential, stats
+from pipelines.judging.verdict import judge, worst
 from pipelines.core.io import read_jsonl, write_jsonl
-from pipelines.core.params import CompareParams, PolicyParams
+from pipelines.core.params_requests import PolicyParams
+from pipelines.core.params_sections import CompareParams
 from tests.handmade import correctness, memory_row, plans, write_eval_items, write_memory, write_model
 
 N = 400
@@ -25,8 +23,8 @@ POLICY = dict(max_accuracy_drop=0.05, max_flip_rate=0.15, kl_percentile="p99", m
 
 
 def run_compare(root, variants, candidates=(), domains=("math", "code"), params=PARAMS, look_items=10_000):
-    return compare.compare_all(["fp16", *variants], list(candidates), plans(root, domains, look_items), params,
-                               root / "results", root / "models/variants")
+    return comparison.compare_all(["fp16", *variants], list(candidates), plans(root, domains, look_items), params,
+                                  root / "results", root / "models/variants")
 
 
 @pytest.fixture()
@@ -186,7 +184,7 @@ def test_an_out_of_memory_error_is_named_even_without_a_growth_rate():
     paired = stats.paired_comparison(np.array(correctness(N, 300)), np.array(correctness(N, 300)))
     fidelity = {"tokens": 500, "kl": {"p99": 0.1}}
     early = {**memory_row("int8"), "growth_excess_pct": None, "oom": "soak round 0: MemoryError"}  # stopped at round 0
-    verdict, reasons, _ = compare.judge(paired, fidelity, early, policy, False)
+    verdict, reasons, _ = judge(paired, fidelity, early, policy, False)
     assert verdict == "fail" and reasons[0] == "out of memory: soak round 0: MemoryError"
 
 
@@ -220,9 +218,9 @@ def test_numbers_that_contradict_each_other_fail_in_judge():
     paired = stats.paired_comparison(np.array(correctness(N, 300)), np.array(correctness(N, 300, lose=1)))
     policy = PolicyParams(**POLICY)
     fidelity, memory = {"tokens": 500, "kl": {"p99": 0.1}}, memory_row("int8")
-    assert compare.judge(paired, fidelity, memory, policy, False)[0] == "pass"
+    assert judge(paired, fidelity, memory, policy, False)[0] == "pass"
     forged = {**paired, "difference": -0.30}  # the verdict field would say pass; the numbers do not add up
-    verdict, reasons, _ = compare.judge(forged, fidelity, memory, policy, False)
+    verdict, reasons, _ = judge(forged, fidelity, memory, policy, False)
     assert verdict == "fail" and any("is not (wrong->correct - correct->wrong) / items" in r for r in reasons)
     assert any("does not contain the difference" in r for r in reasons)
 
@@ -231,36 +229,14 @@ def test_probes_that_nobody_answers_measure_nothing_and_cannot_pass():
     policy = PolicyParams(**POLICY)
     fidelity, memory = {"tokens": 500, "kl": {"p99": 0.1}}, memory_row("int8")
     nothing = np.zeros(300, bool)  # a broken answer extraction scores fp16 and the variant 0 on every item
-    verdict, reasons, _ = compare.judge(stats.paired_comparison(nothing, nothing), fidelity, memory, policy, False)
+    verdict, reasons, _ = judge(stats.paired_comparison(nothing, nothing), fidelity, memory, policy, False)
     assert verdict == "fail" and any("answer none of the 300 items" in r for r in reasons)
     one = nothing.copy()
     one[7] = True  # one item right on both sides: the probes measure something, and 0 flips of 300 pass
-    assert compare.judge(stats.paired_comparison(one, one), fidelity, memory, policy, False)[0] == "pass"
+    assert judge(stats.paired_comparison(one, one), fidelity, memory, policy, False)[0] == "pass"
 
 
-# --- looks: the plan, the order, sequential decisions ----------------------------------------------------
-
-def test_look_plan_and_order():
-    assert sequential.plan(1000, 200, None) == [200, 600, 1000]
-    assert sequential.plan(800, 200, None, max_looks=4) == [200, 400, 600, 800]
-    assert sequential.plan(700, 200, 500) == [200, 350, 500]
-    assert sequential.plan(150, 200, None) == [150] and sequential.plan(900, 200, None, max_looks=1) == [900]
-    assert sequential.plan(0, 200, None) == []
-    ids = [f"x-{i}" for i in range(50)]
-    order = sequential.ordered(ids, "math")
-    assert sorted(order) == sorted(ids) and order != ids  # a fixed shuffle, whatever the file's order
-    assert order == sequential.ordered(list(reversed(ids)), "math")
-    assert sequential.ordered(ids, "code") != order  # each domain has its own
-
-
-def test_alpha_spending_adds_up_and_is_front_loaded_for_pocock():
-    for kind in ("pocock", "obrien_fleming"):
-        alphas = stats.look_alphas([200, 400, 600, 800], 0.025, kind)
-        assert sum(alphas) == pytest.approx(0.025) and all(a > 0 for a in alphas)
-    assert stats.look_alphas([200, 400, 600, 800], 0.025, "pocock")[0] > 0.008
-    assert stats.look_alphas([200, 400, 600, 800], 0.025, "obrien_fleming")[0] < 1e-4
-    assert stats.look_alphas([400], 0.025, "pocock") == [pytest.approx(0.025)]
-
+# --- looks: sequential decisions through compare ---------------------------------------------------------
 
 def sequential_fixture(tmp_path, lose_first: int, pool: int = 800, look: int = 200):
     """fp16 right on 600 of 800 items; the variant loses `lose_first` right answers among the first 200 in
@@ -315,155 +291,22 @@ def test_an_undecided_look_continues_and_the_next_decides(tmp_path):
     assert row["looks"]["look"] >= 2 and row["paired"]["items"] == row["looks"]["looks"][row["looks"]["look"] - 1]
 
 
-# --- the statistics against reference implementations ------------------------------------------------
-
-def paired_sample(seed=1, n=300):
-    rng = np.random.default_rng(seed)
-    base = rng.random(n) < 0.7
-    variant = base.copy()
-    flip = rng.random(n) < 0.12
-    variant[flip] = ~variant[flip]
-    return base, variant
-
-
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_mcnemar_matches_statsmodels_exact(seed):
-    base, variant = paired_sample(seed)
-    f = stats.flips(base, variant)
-    table = [[np.sum(base & variant), np.sum(base & ~variant)], [np.sum(~base & variant), np.sum(~base & ~variant)]]
-    assert (f["correct_to_wrong"], f["wrong_to_correct"]) == (table[0][1], table[1][0])
-    assert stats.mcnemar_exact(f["correct_to_wrong"], f["wrong_to_correct"]) == pytest.approx(
-        mcnemar(table, exact=True).pvalue, rel=1e-12)
-    assert stats.mcnemar_exact(0, 0) == 1.0
-    assert stats.mcnemar_exact(0, 8) == pytest.approx(2 * 0.5 ** 8)
-
-
-def tango_by_likelihood(gained, lost, n, confidence=0.95):
-    """An independent Tango interval: the nuisance parameter maximised numerically, the limits by brentq."""
-    z = sps.norm.ppf(1 - (1 - confidence) / 2)
-    cells = np.array([gained, lost, n - gained - lost], float)  # (variant only right, fp16 only right, agree)
-
-    def statistic(delta):
-        def nll(q):  # P(lost) = q, P(gained) = q + delta, P(agree) = 1 - 2q - delta
-            probs = np.array([q + delta, q, 1 - 2 * q - delta])
-            return -np.sum(cells[probs > 0] * np.log(probs[probs > 0])) if np.all(probs >= 0) else np.inf
-        lo, hi = max(0.0, -delta) + 1e-12, (1 - delta) / 2 - 1e-12
-        q = optimize.minimize_scalar(nll, bounds=(lo, hi), method="bounded", options={"xatol": 1e-13}).x
-        return (gained - lost - n * delta) / math.sqrt(n * (2 * q + delta - delta * delta))
-
-    d = (gained - lost) / n
-    low = optimize.brentq(lambda x: statistic(x) - z, -1 + 1e-9, d) if d > -1 else -1.0
-    high = optimize.brentq(lambda x: statistic(x) + z, d, 1 - 1e-9) if d < 1 else 1.0
-    return low, high
-
-
-@pytest.mark.parametrize("gained,lost,n", [(1, 7, 21), (6, 16, 161), (0, 3, 200), (5, 5, 200), (12, 30, 600)])
-def test_tango_interval_matches_an_independent_likelihood_implementation(gained, lost, n):
-    assert stats.tango_interval(gained, lost, n) == pytest.approx(tango_by_likelihood(gained, lost, n), abs=2e-6)
-
-
-def test_tango_interval_reproduces_the_published_worked_example():
-    """Bentur et al. (airway hyper-responsiveness before/after transplant, table [[1, 1], [7, 12]]), the
-    worked example of Fagerland, Lydersen & Laake (2014, Stat Methods Med Res; also their 2017 book, ch. 8):
-    Tango asymptotic score interval -0.286 (-0.517 to -0.026)."""
-    low, high = stats.tango_interval(gained=1, lost=7, n=21)
-    assert (round(low, 3), round(high, 3)) == (-0.517, -0.026)
-    z = sps.norm.ppf(0.975)
-    assert stats.tango_interval(0, 0, 200) == pytest.approx((-z * z / (200 + z * z), z * z / (200 + z * z)))
-
-
-def test_tango_interval_holds_its_coverage_with_few_discordant_pairs():
-    """2,000 simulated probe sets of 200 items with 1 % discordance (0-3 flips typical): the 95 % interval
-    covers the true difference at least 93 % of the time (the percentile bootstrap: far less)."""
-    rng = np.random.default_rng(5)
-    p_gain, p_loss, n, covered = 0.004, 0.006, 200, 0
-    for _ in range(2000):
-        counts = rng.multinomial(n, [p_gain, p_loss, 1 - p_gain - p_loss])
-        low, high = stats.tango_interval(counts[0], counts[1], n)
-        covered += low <= p_gain - p_loss <= high
-    assert covered / 2000 >= 0.93
-
-
-def clustered_coverage(families: int, per_family: int, runs: int, use_families: bool) -> float:
-    """Share of simulated probe sets whose 95 % interval covers the true difference, when flips cluster:
-    each family's loss propensity is drawn anew (gamma, mean 0.05, CV 1), gains are 2 % everywhere."""
-    rng = np.random.default_rng(11)
-    labels = np.repeat(np.arange(families), per_family)
-    true, covered = 0.02 - 0.98 * 0.05, 0
-    for _ in range(runs):
-        propensity = rng.gamma(1.0, 0.05, families)
-        gained = rng.random(labels.size) < 0.02
-        lost = (rng.random(labels.size) < propensity[labels]) & ~gained
-        r = stats.paired_comparison(~gained, ~lost, families=labels if use_families else None)
-        covered += r["ci_low"] <= true <= r["ci_high"]
-    return covered / runs
-
-
-@pytest.mark.parametrize("families, per_family", [(8, 25), (12, 20)])
-def test_the_clustered_interval_holds_its_coverage_where_the_plain_one_does_not(families, per_family):
-    """The truth here is the simulation's, not the code's: an independent check of the design effect and t."""
-    assert clustered_coverage(families, per_family, 1000, use_families=True) >= 0.94
-    assert clustered_coverage(families, per_family, 1000, use_families=False) < 0.91  # what families are for
-
-
-def test_design_effect_matches_statsmodels_cluster_robust_variance():
-    import statsmodels.api as sm
-
-    rng = np.random.default_rng(3)
-    families = np.repeat(np.arange(8), 25)
-    family_loss = rng.uniform(0, 0.3, 8)
-    diff = -(rng.random(200) < family_loss[families]).astype(float) + (rng.random(200) < 0.03)
-    ols = sm.OLS(diff, np.ones(200))
-    robust = ols.fit(cov_type="cluster", cov_kwds={"groups": families}).bse[0] ** 2
-    naive = ols.fit().bse[0] ** 2
-    effect, groups = stats.design_effect(diff, families)
-    assert groups == 8 and effect == pytest.approx(max(1.0, robust / naive), rel=1e-9)
-    assert stats.design_effect(diff, None) == (1.0, 200)
-    assert stats.design_effect(np.zeros(50), families[:50])[0] == 1.0
-
-
-def test_clustered_flips_widen_the_interval():
-    base = np.array(correctness(N, 300))
-    variant = base.copy()
-    variant[:20] = False  # every loss in one family: the items are not 400 independent ones
-    families = [f"f{i // 50}" for i in range(N)]
-    plain = stats.paired_comparison(base, variant)
-    clustered = stats.paired_comparison(base, variant, families=families)
-    assert clustered["design_effect"] > 2 and clustered["ci_low"] < plain["ci_low"] - 0.01
-    spread = [f"f{i % 8}" for i in range(N)]  # the same losses spread over every family: no widening
-    assert stats.paired_comparison(base, variant, families=spread)["design_effect"] == pytest.approx(1.0, abs=0.2)
-
-
-@pytest.mark.parametrize("difference,psi", [(0.0, 0.075), (-0.02, 0.1), (0.02, 0.12)])
-def test_items_to_decide_have_the_configured_power(difference, psi):
-    n = stats.items_to_decide(difference, psi, margin=0.05, alpha=0.025, power=0.8)
-    effect = (difference + 0.05) / math.sqrt(psi - difference**2)
-    power = NormalIndPower().power(effect_size=effect, nobs1=n, alpha=0.025, ratio=0, alternative="larger")
-    assert power == pytest.approx(0.8, abs=1e-3)
-    assert stats.items_to_decide(-0.05, 0.1, 0.05, 0.025, 0.8) is None
-
-
-def test_accuracy_and_flip_rates_match_numpy():
-    base, variant = paired_sample(4)
-    row = stats.paired_comparison(base, variant)
-    assert row["accuracy"] == np.mean(variant) and row["accuracy_fp16"] == np.mean(base)
-    assert row["difference"] == pytest.approx(np.mean(variant) - np.mean(base), abs=1e-15)
-    assert row["flip_rate"] == pytest.approx(np.mean(base != variant))
-
-
-def test_few_families_take_students_t_with_one_degree_less():
-    """8 families: the cluster-robust variance is itself uncertain, so the limits use t with 7 df."""
-    base = np.array(correctness(N, 300))
-    variant = base.copy()
-    variant[[0, 60, 120, 180]] = False
-    families = [f"f{i % 8}" for i in range(N)]
-    row = stats.paired_comparison(base, variant, families=families)
-    assert row["degrees_of_freedom"] == 7
-    effect = row["design_effect"]
-    assert (row["ci_low"], row["ci_high"]) == pytest.approx(
-        stats.tango_interval(0, 4 / effect, N / effect, 0.95, df=7))
-    assert row["ci_low"] < stats.tango_interval(0, 4 / effect, N / effect, 0.95)[0]  # wider than with z
-    assert stats.paired_comparison(base, variant)["degrees_of_freedom"] is None  # every item its own family
+@pytest.mark.parametrize("verdicts, baseline, gate", [
+    ([], "ok", "undecided"),  # nothing judged
+    (["pass", "pass"], "ok", "pass"),
+    (["pass", "inconclusive"], "ok", "undecided"),  # inconclusive without a fail
+    (["inconclusive", "fail", "pass"], "ok", "fail"),
+    (["pass", "fail"], "ok", "fail"),
+    (["pass"], "failed", "undecided"),  # no baseline: could not decide, whatever the rows say
+    (["fail"], "failed", "undecided"),
+    ([], "failed", "undecided"),
+])
+def test_the_summarys_gate_is_the_verdict_modules_worst_of(verdicts, baseline, gate):
+    """summary.json's `gate` is judging/verdict.py's worst-of over the variants' verdicts, not a rule of its own."""
+    report = {"fp16": {"status": baseline}, "domains": ["math"],
+              "variants": {f"v{i}": {"verdict": v, "domains": {"math": {"verdict": v}}} for i, v in enumerate(verdicts)}}
+    assert comparison.summary(report)["gate"] == gate
+    assert gate == (worst(verdicts) if baseline == "ok" else "undecided")
 
 
 def test_duplicate_item_ids_are_refused_with_file_and_line(tmp_path):

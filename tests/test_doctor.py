@@ -1,5 +1,6 @@
-"""`quantgate doctor` and setup's system step: real checks on this machine, bubblewrap hidden per process (a PATH
-of links to every system tool but the hidden ones), never uninstalled.
+"""`quantgate doctor` (pipelines/doctor.py, its checks in pipelines/diagnose/) and setup's system step: real checks
+on this machine, bubblewrap hidden per process (a PATH of links to every system tool but the hidden ones), never
+uninstalled.
 
 The sandbox cases need root and util-linux (the sandbox's own requirements, pipelines/core/sandbox.py); CI runs as root
 with both (.ci/run), so there they run."""
@@ -20,6 +21,9 @@ import yaml
 
 from pipelines import doctor
 from pipelines.core import sandbox
+from pipelines.diagnose import check, devices, tools
+from pipelines.diagnose import model as model_checks
+from pipelines.diagnose import sandbox as sandbox_checks
 from tests.conftest import ROOT
 
 VENV_BIN = Path(sys.executable).parent
@@ -62,7 +66,7 @@ def fresh_probe():
     sandbox.isolation_level.cache_clear()
 
 
-def row(checks: list[doctor.Check], name: str) -> doctor.Check:
+def row(checks: list[check.Check], name: str) -> check.Check:
     return next(c for c in checks if c.name == name)
 
 
@@ -94,9 +98,9 @@ def test_allowing_unisolated_code_is_a_warning_and_exit_0(tmp_path, monkeypatch,
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     checks = doctor.run_checks(write_params(tmp_path, evaluate={"allow_unisolated_code": True}))
     got = row(checks, "sandbox")
-    assert got.status == doctor.WARN and "allow_unisolated_code is true" in got.detail and "bwrap not found" in got.detail
+    assert got.status == check.WARN and "allow_unisolated_code is true" in got.detail and "bwrap not found" in got.detail
     assert "apt-get install bubblewrap" in got.remedy
-    assert doctor.exit_code(checks) == 0, [c for c in checks if c.status == doctor.FAIL]
+    assert doctor.exit_code(checks) == 0, [c for c in checks if c.status == check.FAIL]
 
 
 @root_with_util_linux
@@ -104,8 +108,8 @@ def test_no_request_type_running_code_needs_no_sandbox(tmp_path, monkeypatch, fr
     monkeypatch.setenv("PATH", f"{VENV_BIN}:{path_without(tmp_path / 'bin', 'bwrap')}")
     from pipelines.core.params import load_params
 
-    got = doctor.sandbox_check(load_params(write_params(tmp_path, evaluate={"domains": ["math", "chat"]})))
-    assert got.status == doctor.OK and "not needed" in got.detail
+    got = sandbox_checks.sandbox_check(load_params(write_params(tmp_path, evaluate={"domains": ["math", "chat"]})))
+    assert got.status == check.OK and "not needed" in got.detail
 
 
 @root_with_util_linux
@@ -121,11 +125,11 @@ def test_a_kernel_that_restricts_user_namespaces_is_named_with_its_remedy(tmp_pa
     sysctl = tmp_path / "sys"
     (sysctl / "kernel").mkdir(parents=True)
     (sysctl / "kernel" / "apparmor_restrict_unprivileged_userns").write_text("1\n")
-    monkeypatch.setattr(doctor, "SYSCTL", sysctl)
+    monkeypatch.setattr(sandbox_checks, "SYSCTL", sysctl)
     from pipelines.core.params import load_params
 
-    got = doctor.sandbox_check(load_params())
-    assert got.status == doctor.FAIL and "bwrap cannot build the sandbox" in got.detail and "uid map" in got.detail
+    got = sandbox_checks.sandbox_check(load_params())
+    assert got.status == check.FAIL and "bwrap cannot build the sandbox" in got.detail and "uid map" in got.detail
     assert "kernel.apparmor_restrict_unprivileged_userns=1" in got.remedy
     assert "sysctl -w kernel.apparmor_restrict_unprivileged_userns=0" in got.remedy
 
@@ -135,16 +139,16 @@ def test_userns_switches_are_read_from_proc(tmp_path):
     (tmp_path / "user").mkdir()
     (tmp_path / "kernel" / "apparmor_restrict_unprivileged_userns").write_text("0\n")
     (tmp_path / "user" / "max_user_namespaces").write_text("0\n")
-    assert doctor.userns_restrictions(tmp_path) == ["user.max_user_namespaces=0"]
-    assert doctor.userns_restrictions(tmp_path / "absent") == []
+    assert sandbox_checks.userns_restrictions(tmp_path) == ["user.max_user_namespaces=0"]
+    assert sandbox_checks.userns_restrictions(tmp_path / "absent") == []
 
 
 def test_code_rows_follow_runs_code_and_sandboxed_tasks(tmp_path):
     from pipelines.core.params import load_params
 
-    assert doctor.code_rows(load_params()) == ["code"]
+    assert sandbox_checks.code_rows(load_params()) == ["code"]
     params = load_params(write_params(tmp_path, evaluate={"domains": ["math"]}))
-    assert doctor.code_rows(params) == []
+    assert sandbox_checks.code_rows(params) == []
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,7 +159,7 @@ def test_code_rows_follow_runs_code_and_sandboxed_tasks(tmp_path):
 def test_an_unknown_model_path_fails_naming_the_key(tmp_path):
     checks = doctor.run_checks(write_params(tmp_path, model=str(tmp_path / "no-such-checkpoint")))
     got = row(checks, "model")
-    assert got.status == doctor.FAIL and "model:" in got.detail and "no-such-checkpoint" in got.detail
+    assert got.status == check.FAIL and "model:" in got.detail and "no-such-checkpoint" in got.detail
     assert "params.yaml" in got.remedy
     assert doctor.exit_code(checks) == 1
 
@@ -166,10 +170,10 @@ def test_a_local_checkpoint_is_described_from_its_config(tmp_path):
     from pipelines.core.params import load_params
 
     params = load_params(write_params(tmp_path, model=str(ckpt)))
-    got = doctor.model_check(params)
-    assert got.status == doctor.OK and "LlamaForCausalLM" in got.detail and "1,016,448 parameters" in got.detail
-    disk = doctor.disk_check(params)
-    assert disk.status == doctor.OK and "1,016,448 parameters" in disk.detail and "fp16" in disk.detail
+    got = model_checks.model_check(params)
+    assert got.status == check.OK and "LlamaForCausalLM" in got.detail and "1,016,448 parameters" in got.detail
+    disk = model_checks.disk_check(params)
+    assert disk.status == check.OK and "1,016,448 parameters" in disk.detail and "fp16" in disk.detail
 
 
 def test_a_hub_id_offline_and_not_cached_fails(tmp_path, monkeypatch):
@@ -177,15 +181,15 @@ def test_a_hub_id_offline_and_not_cached_fails(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     from pipelines.core.params import load_params
 
-    got = doctor.model_check(load_params(write_params(tmp_path, model="some-org/some-model")))
-    assert got.status == doctor.FAIL and "HF_HUB_OFFLINE" in got.detail and "hf download" in got.remedy
+    got = model_checks.model_check(load_params(write_params(tmp_path, model="some-org/some-model")))
+    assert got.status == check.FAIL and "HF_HUB_OFFLINE" in got.detail and "hf download" in got.remedy
 
 
 def test_bad_params_fail_with_the_params_message(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text("modle: reference\n")
     checks = doctor.run_checks(path)
-    assert checks[0].name == "params" and checks[0].status == doctor.FAIL and "modle" in checks[0].detail
+    assert checks[0].name == "params" and checks[0].status == check.FAIL and "modle" in checks[0].detail
     assert doctor.exit_code(checks) == 1
 
 
@@ -198,15 +202,15 @@ def _free_port() -> int:
 def test_mlflow_uri_that_nothing_answers_is_reported(tmp_path, monkeypatch):
     uri = f"http://127.0.0.1:{_free_port()}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    got = doctor.mlflow_check()
-    assert got.status == doctor.FAIL and uri in got.detail and "/health" in got.detail
+    got = tools.mlflow_check()
+    assert got.status == check.FAIL and uri in got.detail and "/health" in got.detail
     assert "MLFLOW_TRACKING_URI" in got.remedy
-    got = doctor.mlflow_check(f"sqlite:///{tmp_path}/no/such/folder/mlflow.db")
-    assert got.status == doctor.FAIL and "does not exist" in got.detail
+    got = tools.mlflow_check(f"sqlite:///{tmp_path}/no/such/folder/mlflow.db")
+    assert got.status == check.FAIL and "does not exist" in got.detail
     (tmp_path / "broken.db").write_text("not a database " * 100)
-    got = doctor.mlflow_check(f"sqlite:///{tmp_path}/broken.db")
-    assert got.status == doctor.FAIL and "SQLite" in got.detail
-    assert doctor.mlflow_check(f"postgresql://u:p@127.0.0.1:{_free_port()}/db").status == doctor.FAIL
+    got = tools.mlflow_check(f"sqlite:///{tmp_path}/broken.db")
+    assert got.status == check.FAIL and "SQLite" in got.detail
+    assert tools.mlflow_check(f"postgresql://u:p@127.0.0.1:{_free_port()}/db").status == check.FAIL
 
 
 def test_mlflow_server_that_answers_and_the_default_store_are_ok(tmp_path, monkeypatch):
@@ -222,19 +226,19 @@ def test_mlflow_server_that_answers_and_the_default_store_are_ok(tmp_path, monke
     server = http.server.HTTPServer(("127.0.0.1", 0), Health)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        got = doctor.mlflow_check(f"http://127.0.0.1:{server.server_port}")
-        assert got.status == doctor.OK and "answers" in got.detail
+        got = tools.mlflow_check(f"http://127.0.0.1:{server.server_port}")
+        assert got.status == check.OK and "answers" in got.detail
     finally:
         server.shutdown()
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    got = doctor.mlflow_check()  # cli.tracking_uri(): mlflow.db at the repository root
-    assert got.status == doctor.OK and str(ROOT / "mlflow.db") in got.detail
+    got = tools.mlflow_check()  # store.tracking.tracking_uri(): mlflow.db at the repository root
+    assert got.status == check.OK and str(ROOT / "mlflow.db") in got.detail
 
 
 def test_the_int8_kernel_runs_here():
     """bitsandbytes' LLM.int8 for real on the CPU (the doctor's check on this machine's device)."""
-    assert doctor.bnb_native_library("cpu").is_file()
-    assert "matches fp32" in doctor.bnb_int8_works("cpu")
+    assert devices.bnb_native_library("cpu").is_file()
+    assert "matches fp32" in devices.bnb_int8_works("cpu")
 
 
 def test_awq_backend_gptqmodel_on_a_cpu_fails(tmp_path):
@@ -243,9 +247,33 @@ def test_awq_backend_gptqmodel_on_a_cpu_fails(tmp_path):
     params = load_params(write_params(tmp_path, variants={
         "fp16": {"method": "none", "dtype": "float16"},
         "awq4": {"method": "awq", "bits": 4, "group_size": 32, "backend": "gptqmodel"}}))
-    got = row(doctor._backend_checks(params, "cpu"), "awq (awq4)")
-    assert got.status == doctor.FAIL and "needs CUDA" in got.detail and "autoawq" in got.remedy
+    got = row(devices.backend_checks(params, "cpu"), "awq (awq4)")
+    assert got.status == check.FAIL and "needs CUDA" in got.detail and "autoawq" in got.remedy
 
+
+
+def test_a_missing_backend_library_fails_naming_what_installs_it(tmp_path, monkeypatch):
+    """Every method's row is built by one function: a library it needs and lacks fails the row, naming the library
+    and the pin that installs it; awq and gptq without a usable device are not looked at further."""
+    from pipelines.core.params import load_params
+
+    params = load_params(write_params(tmp_path, variants={
+        "fp16": {"method": "none", "dtype": "float16"}, "int8": {"method": "bnb-int8"},
+        "awq4": {"method": "awq", "bits": 4, "group_size": 32, "backend": "autoawq"},
+        "gptq3": {"method": "gptq", "bits": 3, "group_size": 32}}))
+    monkeypatch.setattr(devices, "libraries", lambda pairs: ([], [dist for dist, _ in pairs]))
+    rows = {c.name: c for c in devices.backend_checks(params, "cpu")}
+    assert [(c.status, c.detail, c.remedy) for c in rows.values()] == [
+        (check.FAIL, "transformers is not installed", "bash scripts/setup.sh"),
+        (check.FAIL, "bitsandbytes is not installed: these variants could not be measured (inconclusive)",
+         "bash scripts/setup.sh (pyproject.toml pins bitsandbytes)"),
+        (check.FAIL, "gptqmodel and autoawq not installed: these variants could not be measured (inconclusive)",
+         "bash scripts/setup.sh (pyproject.toml pins autoawq and gptqmodel)"),
+        (check.FAIL, "gptqmodel not installed: these variants could not be measured (inconclusive)",
+         "bash scripts/setup.sh (pyproject.toml pins gptqmodel)")]
+    assert list(rows) == ["none (fp16)", "bnb-int8 (int8)", "awq (awq4)", "gptq (gptq3)"]
+    no_device = [c.status for c in devices.backend_checks(params, None)]
+    assert no_device == [check.FAIL, check.FAIL, check.WARN, check.WARN]
 
 # --------------------------------------------------------------------------------------------
 # setup.sh's system step

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import yaml
 
 from pipelines.core import lineage
@@ -21,13 +28,73 @@ def test_each_stage_depends_on_exactly_the_modules_its_command_imports():
     for name, stage in stages().items():
         code = sorted(d for d in stage["deps"] if d.startswith("pipelines"))
         assert code == lineage.stage_code(stage["command"]), (
-            f"dvc.yaml stage {name!r}: its pipelines/ deps should be {lineage.stage_code(stage['command'])}")
+            f"dvc.yaml stage {name!r}: its pipelines/ deps should be {lineage.stage_code(stage['command'])} "
+            "(python scripts/sync_dvc_deps.py writes them)")
 
 
-def test_stage_code_follows_imports_inside_functions_and_leaves_other_commands_out():
+def test_stage_code_follows_imports_inside_functions_and_leaves_other_stages_out():
     compare = lineage.stage_code("compare")
-    assert "pipelines/judging/stats.py" in compare  # compare -> sequential -> stats
-    assert "pipelines/core/sandbox.py" in compare  # compare -> evaluate (inside a function) -> sandbox
+    assert "pipelines/judging/stats.py" in compare  # compare -> judging.comparison -> stats
+    assert "pipelines/judging/plots.py" in compare  # imported inside compare's own module
+    assert "pipelines/core/__init__.py" in compare and "pipelines/judging/__init__.py" in compare  # packages run too
     assert "pipelines/quantize.py" not in compare and "pipelines/record.py" not in compare
     assert "pipelines/compare.py" not in lineage.stage_code("quantize")
-    assert "pipelines/gate.py" not in lineage.stage_code("record")  # cli.py imports gate only inside cmd_gate
+    assert "pipelines/judging/plots.py" not in lineage.stage_code("route")  # route reads compare.json, not its charts
+    for stage in stages().values():
+        assert "pipelines/cli.py" not in lineage.stage_code(stage["command"])
+
+
+def _changed_code(repo: Path) -> dict[str, set[str]]:
+    """`dvc status`'s changed pipelines/ deps, by stage (foreach instances under their stage's name)."""
+    out = subprocess.run([str(Path(sys.executable).with_name("dvc")), "status", "--json"], cwd=repo, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    changed: dict[str, set[str]] = {}
+    for stage, entries in json.loads(out.stdout or "{}").items():
+        for entry in entries:
+            if isinstance(entry, dict):
+                for path in (entry.get("changed deps") or {}):
+                    if path.startswith("pipelines/"):
+                        changed.setdefault(stage.split("@")[0], set()).add(path)
+    return changed
+
+
+def _lock_this_code(repo: Path) -> None:
+    """dvc.lock as `dvc repro` would leave it for the code in `repo`: each stage's pipelines/ deps with their md5."""
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    for name, entry in lock["stages"].items():
+        code = [d for d in stages()[name.split("@")[0]]["deps"] if d.startswith("pipelines/")]
+        data = [d for d in entry["deps"] if not d["path"].startswith("pipelines/")]
+        entry["deps"] = [{"path": path, "hash": "md5", "md5": hashlib.md5((repo / path).read_bytes()).hexdigest(),
+                          "size": (repo / path).stat().st_size} for path in code] + data
+    (repo / "dvc.lock").write_text(yaml.safe_dump(lock, sort_keys=False))
+
+
+def test_editing_the_cli_or_compares_charts_reruns_only_the_stage_that_owns_the_code(tmp_path):
+    """Real `dvc status`: an edit to cli.py (or the gate) re-runs no stage, one to compare's charts re-runs compare
+    alone, one to a shared floor every stage whose code it is, and nothing else."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    for name in ("dvc.yaml", "dvc.lock", "params.yaml"):
+        shutil.copy(ROOT / name, repo / name)
+    shutil.copytree(ROOT / "pipelines", repo / "pipelines", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([str(Path(sys.executable).with_name("dvc")), "init", "--no-scm", "-q"], cwd=repo, check=True)
+    _lock_this_code(repo)
+    before = _changed_code(repo)
+    assert before == {}  # the code is what dvc.lock says: only data (not copied here) differs
+
+    def stages_after_editing(path: str) -> set[str]:
+        target = repo / path
+        original = target.read_bytes()
+        target.write_bytes(original + b"\n# an edit\n")
+        try:
+            after = _changed_code(repo)
+        finally:
+            target.write_bytes(original)
+        return {stage for stage, files in after.items() if files - before.get(stage, set())}
+
+    assert stages_after_editing("pipelines/cli.py") == set()
+    assert stages_after_editing("pipelines/gate.py") == set()  # the gate is a command, not a stage
+    assert stages_after_editing("pipelines/judging/plots.py") == {"compare"}
+    assert stages_after_editing("pipelines/store/tracking.py") == {"record"}
+    assert stages_after_editing("pipelines/judging/verdict.py") == {"compare", "route", "record"}

@@ -6,32 +6,34 @@ import os
 
 import pytest
 
-from pipelines import compare, evaluate
+from pipelines.evaluation import harness
 from pipelines.core import sandbox
+from pipelines.evaluation import plans
+from pipelines.evaluation.plans import by_id, correctness, probe_plans
 from pipelines.judging import sequential
-from pipelines.core.params import CompareParams, EvaluateParams
+from pipelines.core.params_sections import CompareParams, EvaluateParams
 
 P = EvaluateParams(look_items=4, max_items=8, batch_size=8, fidelity_texts=4)
 DOMAINS = list(P.probes)
 
 
 def plans_for(domains, p=P):
-    return compare.probe_plans(domains, p)
+    return probe_plans(domains, p)
 
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory, tiny_variants):
     """fp16 answers every look (8 items per domain) and writes the fidelity base."""
     base_path = tmp_path_factory.mktemp("fid") / "base.safetensors"
-    result, items = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(DOMAINS), P, "cpu", base_path)
+    result, items = harness.evaluate_variant(str(tiny_variants["fp16"]), plans_for(DOMAINS), P, "cpu", base_path)
     return base_path, result, items
 
 
 @pytest.fixture(scope="module")
 def gptq3(tiny_variants, baseline):
     base_path, _, base_items = baseline
-    answers = {d: compare.correctness(compare.by_id(base_items, d)) for d in DOMAINS}
-    return evaluate.evaluate_variant(str(tiny_variants["gptq3"]), plans_for(DOMAINS), P, "cpu", base_path, answers,
+    answers = {d: correctness(by_id(base_items, d)) for d in DOMAINS}
+    return harness.evaluate_variant(str(tiny_variants["gptq3"]), plans_for(DOMAINS), P, "cpu", base_path, answers,
                                      CompareParams())
 
 
@@ -54,7 +56,7 @@ def test_a_variant_stops_where_the_rule_decides(baseline, gptq3):
     plans = plans_for(DOMAINS)
     for domain in ("math", "chat", "code_comment"):
         mine = {i["item_id"]: i["correct"] for i in items if i["domain"] == domain}
-        run = sequential.run_looks(compare.correctness(compare.by_id(base_items, domain)), mine, plans[domain]["order"],
+        run = sequential.run_looks(correctness(by_id(base_items, domain)), mine, plans[domain]["order"],
                                    plans[domain]["looks"], plans[domain]["families"], 0.05, 0.025, "pocock")
         assert sequential.more_items(run) is None  # decided, or every look used
         assert set(mine) == set(plans[domain]["order"][: sequential.needed_items(run)])
@@ -85,14 +87,14 @@ def test_fp16_fidelity_against_its_own_base_is_exact(baseline):
 def test_fidelity_texts_cover_every_kind():
     """Round-robin over families, spread by kind first: 12 math texts are not 12 additions."""
     probes = P.model_dump()["probes"]
-    texts = evaluate.fidelity_texts(["math", "code_comment"], 18, probes)
-    items = evaluate.probe_items("math")
+    texts = harness.fidelity_texts(["math", "code_comment"], 18, probes)
+    items = plans.probe_items("math")
     kinds = {item["kind"] for item in items}
-    picked = [item for item in items if evaluate.full_text(probes["math"]["text"], item) in texts["math"]]
+    picked = [item for item in items if harness.full_text(probes["math"]["text"], item) in texts["math"]]
     assert len(texts["math"]) == 18 and {item["kind"] for item in picked} == kinds  # 9 kinds, additions one of them
     assert sum(item["kind"] == "add" for item in picked) <= 10
-    comments = [item for item in evaluate.probe_items("code_comment")
-                if evaluate.full_text(probes["code_comment"]["text"], item) in texts["code_comment"]]
+    comments = [item for item in plans.probe_items("code_comment")
+                if harness.full_text(probes["code_comment"]["text"], item) in texts["code_comment"]]
     assert len({item["template"] for item in comments}) == 14  # every template before a second phrasing of any
 
 
@@ -108,7 +110,7 @@ def test_with_bubblewrap_hidden_code_is_not_measured_and_the_gate_cannot_decide(
     sandbox.isolation_level.cache_clear()
     try:
         p = EvaluateParams(look_items=2, max_items=2, fidelity_texts=2)
-        result, items = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["code", "math"], p), p, "cpu",
+        result, items = harness.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["code", "math"], p), p, "cpu",
                                                   tmp_path / "base.safetensors")
     finally:
         monkeypatch.undo()
@@ -147,7 +149,7 @@ def test_with_bubblewrap_hidden_code_is_not_measured_and_the_gate_cannot_decide(
 def test_failed_variant_is_recorded(tmp_path, baseline):
     (tmp_path / "awq4").mkdir()
     (tmp_path / "awq4" / "quantgate.json").write_text('{"variant": "awq4", "status": "failed", "error": "boom"}')
-    result, items = evaluate.evaluate_variant(str(tmp_path / "awq4"), plans_for(["math"]), P, "cpu", baseline[0], {},
+    result, items = harness.evaluate_variant(str(tmp_path / "awq4"), plans_for(["math"]), P, "cpu", baseline[0], {},
                                               CompareParams())
     assert result["status"] == "failed" and "awq4 is not usable: boom" in result["error"] and items == []
 
@@ -160,16 +162,18 @@ def test_item_without_target_is_a_clear_recorded_failure(tmp_path, monkeypatch, 
     lines = (eval_copy / "math" / "items.jsonl").read_text().splitlines()
     lines[16] = lines[16].replace('"answer": ', '"answer_typo": ')
     (eval_copy / "math" / "items.jsonl").write_text("\n".join(lines) + "\n")
-    monkeypatch.setattr(evaluate, "EVAL_DIR", eval_copy)
-    result, _ = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["math"]), P, "cpu", baseline[0], {},
+    for module in (plans, harness):  # the probe files are read where the items are checked and where lm-eval runs
+        monkeypatch.setattr(module, "EVAL_DIR", eval_copy)
+    result, _ = harness.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["math"]), P, "cpu", baseline[0], {},
                                           CompareParams())
     assert result["status"] == "failed"
     assert result["error"] == f"QuantgateError: {eval_copy}/math/items.jsonl:17: item math-0016 has no answer"
 
 
 def test_missing_probe_file_is_a_clear_recorded_failure(tmp_path, monkeypatch, tiny_variants, baseline):
-    monkeypatch.setattr(evaluate, "EVAL_DIR", tmp_path)
-    result, _ = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["chat"]), P, "cpu", baseline[0], {},
+    for module in (plans, harness):
+        monkeypatch.setattr(module, "EVAL_DIR", tmp_path)
+    result, _ = harness.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["chat"]), P, "cpu", baseline[0], {},
                                           CompareParams())
     assert result["status"] == "failed" and result["error"] == f"QuantgateError: {tmp_path}/chat/items.jsonl: file not found"
 
@@ -184,8 +188,8 @@ def test_model_without_pad_token_still_evaluates(monkeypatch, tiny_variants, tmp
         tok.pad_token = None
         return model, tok
 
-    monkeypatch.setattr(evaluate, "load_variant", no_pad)
+    monkeypatch.setattr(harness, "load_variant", no_pad)
     p = EvaluateParams(look_items=2, max_items=2, fidelity_texts=2)
-    result, items = evaluate.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["math"], p), p, "cpu",
+    result, items = harness.evaluate_variant(str(tiny_variants["fp16"]), plans_for(["math"], p), p, "cpu",
                                               tmp_path / "base.safetensors")
     assert result["status"] == "ok" and "no pad token" in result["note"] and len(items) == 2

@@ -11,7 +11,8 @@ import yaml
 from mlflow import MlflowClient
 
 from pipelines import cli, gate, record
-from pipelines.core.io import read_json, write_json
+from pipelines.core.io import read_json, sha256_file, write_json
+from pipelines.store import registry
 from tests.handmade import correctness, rerun_compare, write_pipeline
 from tests.test_record import stored_checkpoint, write_recordable
 
@@ -200,10 +201,10 @@ def test_an_edited_could_not_measure_row_cannot_pass(repo):
 ])
 def test_the_dvc_summary_gives_the_gates_verdict(repo, int8, awq4, verdict):
     """results/summary.json (DVC's metrics) says what the gate says on the same results, row by row."""
-    from pipelines import compare
+    from pipelines.judging import comparison
 
     built = write_pipeline(repo, answers(int8=int8, awq4=awq4))
-    summary = compare.summary(built["report"])
+    summary = comparison.summary(built["report"])
     _, result, _ = run_gate()
     assert summary["gate"] == result["verdict"] == verdict
     assert summary["verdict"]["awq4"] == {d: r["verdict"] for d, r in built["report"]["variants"]["awq4"]["domains"].items()}
@@ -413,11 +414,11 @@ def test_promotion_refuses_a_registry_rewritten_to_other_bytes_with_matching_has
     uri = f"sqlite:///{repo / 'mlflow.db'}"
     stored = stored_checkpoint(uri, summary["children"]["int8"])
     (stored / "tokenizer.json").write_bytes((stored / "tokenizer.json").read_bytes().replace(b"int8", b"int9"))
-    files = {p.relative_to(stored).as_posix(): record.sha256_file(p) for p in stored.rglob("*") if p.is_file()}
-    write_json(stored.parent / record.CHECKPOINT_HASHES, {"sha256": record.checkpoint_digest(files), "files": files})
+    files = {p.relative_to(stored).as_posix(): sha256_file(p) for p in stored.rglob("*") if p.is_file()}
+    write_json(stored.parent / registry.CHECKPOINT_HASHES, {"sha256": registry.checkpoint_digest(files), "files": files})
     client = MlflowClient(uri)
-    client.set_model_version_tag("quantgate-reference", "1", record.CHECKPOINT_TAG, record.checkpoint_digest(files))
-    assert record.verify_version(client, client.get_model_version("quantgate-reference", "1"))  # self-consistent
+    client.set_model_version_tag("quantgate-reference", "1", registry.CHECKPOINT_TAG, registry.checkpoint_digest(files))
+    assert registry.verify_version(client, client.get_model_version("quantgate-reference", "1"))  # self-consistent
     code, result, _ = run_gate("--variant", "int8", "--promote")
     assert (code, result["promotion"]["status"]) == (1, "refused")
     assert "is not the gated checkpoint's" in result["promotion"]["detail"]

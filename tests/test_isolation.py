@@ -258,14 +258,14 @@ def test_the_isolated_stages_give_the_same_results_as_before(project):
 
 def assert_evaluation_failed(project: Path, variant: str, error: str) -> None:
     """The stage wrote its declared outputs, valid JSON, and compare fails the variant with the cause."""
-    from pipelines import compare
+    from pipelines.judging import comparison
 
     result = json.loads((project / "results/eval" / f"{variant}.json").read_text())
     assert result == {"variant": variant, "device": "cpu", "batch_size": 8, "status": "failed", "error": error}
     assert (project / "results/eval" / variant / "items.jsonl").read_text() == ""
     assert no_leftovers(project / "results") == []
-    inputs = compare.load_inputs([variant], project / "results", project / "models/variants")[variant]
-    assert compare._upstream_failure(inputs) == (f"evaluation failed: {error}", None)
+    inputs = comparison.load_inputs([variant], project / "results", project / "models/variants")[variant]
+    assert comparison._upstream_failure(inputs) == (f"evaluation failed: {error}", None)
 
 
 def test_evaluate_worker_oom_killed_is_that_variants_failure(project):
@@ -299,7 +299,7 @@ def test_baseline_worker_crash_stops_the_pipeline_with_the_cause(project):
 
 
 def test_baseline_that_hangs_raises_naming_the_timeout(project, monkeypatch):
-    from pipelines import cli
+    from pipelines import baseline
     from pipelines.core.errors import QuantgateError
 
     write_params(project, evaluate_timeout=1)
@@ -307,7 +307,7 @@ def test_baseline_that_hangs_raises_naming_the_timeout(project, monkeypatch):
     started = time.monotonic()
     with pytest.raises(QuantgateError, match=r"^the fp16 baseline could not be evaluated: evaluate fp16 ran past its "
                                              r"1 s timeout and was killed$"):
-        cli.cmd_baseline(None)
+        baseline.main()
     assert time.monotonic() - started < 30
     assert no_leftovers(project / "results") == []
 
@@ -335,7 +335,7 @@ def test_quantize_worker_killed_or_hung_is_recorded_in_the_manifest(project):
     assert manifest["status"] == "failed" and manifest["error"] == f"quantize slow died ({OOM})"
     assert no_leftovers(variants) == [] and gone([worker])
     # downstream, the variant is failed with the cause (compare's path for a variant that did not quantize)
-    from pipelines import compare
+    from pipelines.judging import comparison
 
-    inputs = compare.load_inputs(["slow"], project / "results", variants)["slow"]
-    assert compare._upstream_failure(inputs) == (f"quantize/admit failed: quantize slow died ({OOM})", None)
+    inputs = comparison.load_inputs(["slow"], project / "results", variants)["slow"]
+    assert comparison._upstream_failure(inputs) == (f"quantize/admit failed: quantize slow died ({OOM})", None)

@@ -9,9 +9,9 @@ import pytest
 import time
 
 from pipelines import memory
-from pipelines.measure import memory_plots, memory_verdict
+from pipelines.measure import growth, phases, plots, probes, verdict
 from pipelines.core.isolation import run_isolated
-from pipelines.core.params import MemoryParams
+from pipelines.core.params_sections import MemoryParams
 
 FAST = MemoryParams(seq_fractions=[0.25, 0.5, 1.0], warmup_rounds=1, rounds=10, max_rounds=24, tail_rounds=6,
                     alternations=2, burst_size=2)
@@ -73,7 +73,7 @@ def test_warm_up_that_plateaus_is_not_growth(tiny_variants):
     assert r["soak"]["growth_last_minus_first"] >= 6 * (64 << 10)  # it did grow during the warm-up ...
     assert r["leak"]["growth_bytes_per_round"] == 0  # ... and then settled
     assert 6 <= r["soak"]["warmup_end_round"] <= 10 and len(r["soak"]["rounds"]) >= r["soak"]["warmup_end_round"] + 6
-    summary = memory_verdict.summarize({"fp16": memory.measure_isolated(str(tiny_variants["fp16"]), FAST, "cpu"), "int8": r}, FAST)
+    summary = verdict.summarize({"fp16": memory.measure_isolated(str(tiny_variants["fp16"]), FAST, "cpu"), "int8": r}, FAST)
     assert summary["variants"]["int8"]["growth_excess_pct"] == 0
 
 
@@ -94,10 +94,10 @@ def test_out_of_memory_in_a_phase_is_recorded_with_the_phase(tiny_variants):
         return real_forward(*args, **kwargs)
 
     model.forward = forward
-    probe = memory.make_probe("cpu")
+    probe = probes.make_probe("cpu")
     try:
-        swept = memory.sweep(model, probe, [64, 256, 512], 4, model.config.vocab_size, "cpu", 2)
-        soaked = memory.soak(model, probe, FAST, 512, model.config.vocab_size, "cpu")
+        swept = phases.sweep(model, probe, [64, 256, 512], 4, model.config.vocab_size, "cpu", 2)
+        soaked = phases.soak(model, probe, FAST, 512, model.config.vocab_size, "cpu")
     finally:
         probe.close()
     assert [bool(row.get("oom")) for row in swept["lengths"]] == [False, True, True]
@@ -105,9 +105,9 @@ def test_out_of_memory_in_a_phase_is_recorded_with_the_phase(tiny_variants):
     swept["theoretical_kv_bytes_per_token"] = 128
     result = {"status": "ok", "device": "cpu", "load": {"footprint_bytes": 1000, "theoretical_weight_bytes": 1000},
               "sweep": swept, "soak": soaked, "leak": {"leak": None}}
-    row = memory_verdict.summarize({"fp16": result}, FAST)["variants"]["fp16"]
+    row = verdict.summarize({"fp16": result}, FAST)["variants"]["fp16"]
     assert row["oom"].startswith("sweep at 256 tokens: RuntimeError") and "soak round 0" in row["oom"]
-    assert not memory.is_oom(RuntimeError("shape mismatch")) and memory.is_oom(torch.OutOfMemoryError("CUDA"))
+    assert not phases.is_oom(RuntimeError("shape mismatch")) and phases.is_oom(torch.OutOfMemoryError("CUDA"))
 
 
 def segfault() -> dict:
@@ -146,17 +146,17 @@ def test_summary_sets_growth_against_fp16(tmp_path):
                          "rounds": [], "signal": "allocated", "requests_per_round": 8},
                 "leak": {"leak": False}}
 
-    summary = memory_verdict.summarize({"fp16": result(100_000, 50), "gptq3": result(40_000, 500),
+    summary = verdict.summarize({"fp16": result(100_000, 50), "gptq3": result(40_000, 500),
                                 "int8": {"status": "failed", "error": "x"}}, p)
     # (500 - 50) B/round x 10 rounds / fp16's 100 kB
     assert summary["variants"]["gptq3"]["growth_excess_pct"] == pytest.approx(4.5)
     assert summary["variants"]["gptq3"]["growth_bytes_per_request"] == pytest.approx(500 / 8)
     assert summary["variants"]["gptq3"]["footprint_saving_pct"] == pytest.approx(60.0)
     assert summary["variants"]["int8"] == {"status": "failed", "error": "x"}
-    no_base = memory_verdict.summarize({"gptq3": result(400, 50)}, p)
+    no_base = verdict.summarize({"gptq3": result(400, 50)}, p)
     assert no_base["baseline_ok"] is False and no_base["variants"]["gptq3"]["growth_excess_pct"] is None
-    pngs = memory_plots.plot_all({"fp16": result(1000, 10)}, tmp_path)
-    assert memory.warmup_end([0, 10, 20, 30, 31, 31, 30, 31, 31, 32, 31, 31], tail=4, floor=2) == 3
-    assert memory.warmup_end([0, 10, 20, 30, 40, 50, 60, 70], tail=4, floor=2) is None
-    assert memory.warmup_end([5, 4, 6, 5, 5, 4, 6], tail=4, floor=2) == 0
+    pngs = plots.plot_all({"fp16": result(1000, 10)}, tmp_path)
+    assert growth.warmup_end([0, 10, 20, 30, 31, 31, 30, 31, 31, 32, 31, 31], tail=4, floor=2) == 3
+    assert growth.warmup_end([0, 10, 20, 30, 40, 50, 60, 70], tail=4, floor=2) is None
+    assert growth.warmup_end([5, 4, 6, 5, 5, 4, 6], tail=4, floor=2) == 0
     assert all(p.stat().st_size > 1000 for p in pngs)

@@ -22,6 +22,7 @@ import pytest
 from mlflow import MlflowClient
 
 from pipelines import record
+from pipelines.store.layout import VIEW_TAG
 from tests.conftest import ROOT
 from tests.handmade import correctness, write_pipeline
 
@@ -92,9 +93,9 @@ def test_what_the_ui_does_not_show_is_reported(two_pipelines, tmp_path):
     exp_id = two_pipelines["after"]["summary"]["experiment_id"]
     for run_id in two_pipelines["after"]["summary"]["children"].values():
         client.delete_tag(run_id, "mlflow.runType")
-    envelope = json.loads(client.get_experiment(exp_id).tags[record.VIEW_TAG])
+    envelope = json.loads(client.get_experiment(exp_id).tags[VIEW_TAG])
     envelope["state"] = envelope["state"].replace("metrics.`code/ci_low`", "metrics.code/ci_low")
-    client.set_experiment_tag(exp_id, record.VIEW_TAG, json.dumps(envelope))
+    client.set_experiment_tag(exp_id, VIEW_TAG, json.dumps(envelope))
     with sqlite3.connect(db) as con:  # nothing else may differ: the copy holds the same runs
         assert con.execute("select count(*) from runs").fetchone()[0] == 8
     out = check_ui(uri, tmp_path / "s.png", "--metric", "code/accuracy", "--metric", "code/no_such_metric",

@@ -9,7 +9,8 @@ import yaml
 
 from pipelines.core.errors import QuantgateError
 from pipelines.models.loading import resolve_model
-from pipelines.core.params import DEFAULT_VARIANTS, load_params
+from pipelines.core.params import load_params
+from pipelines.core.params_sections import DEFAULT_VARIANTS
 
 
 def write(tmp_path, text: str):

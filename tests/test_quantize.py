@@ -10,7 +10,7 @@ import torch
 
 from pipelines import quantize
 from pipelines.models.loading import ModelSource, VariantFailed, load_variant
-from pipelines.core.params import VariantParams
+from pipelines.core.params_sections import VariantParams
 
 PROMPT = "47+38=85\nCustomer: I want a refund for order 12345.\nAgent: I am sorry"
 

@@ -15,6 +15,7 @@ from pipelines import cli, record
 from pipelines.core import lineage
 from pipelines.core.io import read_json, sha256_file, write_json
 from pipelines.core.params import load_params
+from pipelines.store import client as store_client, layout, registry
 from tests.handmade import correctness, rerun_compare, write_pipeline
 
 N = 400
@@ -126,7 +127,7 @@ def test_child_description_names_the_deciding_numbers(recorded):
 
 
 def saved_view(client, exp_id) -> tuple[dict, dict]:
-    envelope = json.loads(client.get_experiment(exp_id).tags[record.VIEW_TAG])
+    envelope = json.loads(client.get_experiment(exp_id).tags[layout.VIEW_TAG])
     return envelope, json.loads(envelope["state"])
 
 
@@ -137,7 +138,7 @@ def test_the_experiment_has_a_saved_view_of_verdicts_and_deciding_numbers(record
     client = MlflowClient(uri)
     envelope, state = saved_view(client, summary["experiment_id"])
     assert summary["view"] == f"#/experiments/{summary['experiment_id']}/runs?viewStateShareKey=quantgate-verdicts"
-    assert envelope["name"] == record.VIEW_NAME and isinstance(envelope["createdAt"], int)
+    assert envelope["name"] == layout.VIEW_NAME and isinstance(envelope["createdAt"], int)
     assert state["selectedColumns"] == [
         "tags.`verdict.math`", "tags.`verdict.code`", "metrics.`math/ci_low`", "metrics.`code/ci_low`",
         "metrics.`math/difference`", "metrics.`code/difference`", "metrics.`math/flip_rate`", "metrics.`code/flip_rate`",
@@ -145,9 +146,9 @@ def test_the_experiment_has_a_saved_view_of_verdicts_and_deciding_numbers(record
     assert state["columnOrder"] == ["attributes.`Run Name`", *state["selectedColumns"]]
     # recording other results with another request type keeps the earlier ones; nothing changes when nothing is new
     envelope["state"] = json.dumps({**state, "selectedColumns": state["selectedColumns"][:1]})  # as if a person saved it
-    client.set_experiment_tag(summary["experiment_id"], record.VIEW_TAG, json.dumps(envelope))
+    client.set_experiment_tag(summary["experiment_id"], layout.VIEW_TAG, json.dumps(envelope))
     report = {"domains": ["sql"], "variants": {}}
-    record.write_verdict_view(client, summary["experiment_id"], report)
+    layout.write_verdict_view(client, summary["experiment_id"], report)
     assert saved_view(client, summary["experiment_id"])[1]["selectedColumns"] == state["selectedColumns"][:1]  # theirs
 
 
@@ -155,12 +156,12 @@ def test_the_saved_view_grows_with_new_request_types(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     exp_id = client.create_experiment("views", artifact_location=(tmp_path / "a").as_uri())
-    record.write_verdict_view(client, exp_id, {"domains": ["math", "code"], "variants": {}})
-    first = client.get_experiment(exp_id).tags[record.VIEW_TAG]
-    record.write_verdict_view(client, exp_id, {"domains": ["math", "code"], "variants": {}})
-    assert client.get_experiment(exp_id).tags[record.VIEW_TAG] == first  # unchanged: not rewritten
+    layout.write_verdict_view(client, exp_id, {"domains": ["math", "code"], "variants": {}})
+    first = client.get_experiment(exp_id).tags[layout.VIEW_TAG]
+    layout.write_verdict_view(client, exp_id, {"domains": ["math", "code"], "variants": {}})
+    assert client.get_experiment(exp_id).tags[layout.VIEW_TAG] == first  # unchanged: not rewritten
     report = {"domains": ["sql"], "variants": {"int8": {"domains": {"sql": {"checks": {"kl": {"percentile": "p95"}}}}}}}
-    record.write_verdict_view(client, exp_id, report)
+    layout.write_verdict_view(client, exp_id, report)
     envelope, state = saved_view(client, exp_id)
     tags = [c for c in state["selectedColumns"] if c.startswith("tags.")]
     assert tags == ["tags.`verdict.math`", "tags.`verdict.code`", "tags.`verdict.sql`"]
@@ -169,7 +170,7 @@ def test_the_saved_view_grows_with_new_request_types(tmp_path):
 
 def test_tables_and_dataset_inputs(recorded):
     root, built, uri, summary = recorded
-    with record.using_store(uri) as client:  # load_table downloads through the process-wide tracking URI
+    with store_client.using_store(uri) as client:  # load_table downloads through the process-wide tracking URI
         compare_table = client.load_table(summary["experiment_id"], "tables/compare.json", run_ids=[summary["parent_run_id"]])
         routing = client.load_table(summary["experiment_id"], "tables/routing_table.json", run_ids=[summary["parent_run_id"]])
     assert len(compare_table) == 4  # 2 variants x 2 domains
@@ -200,7 +201,7 @@ def stored_checkpoint(uri, run_id):
     from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
     from mlflow.utils.file_utils import local_file_uri_to_path
 
-    with record.using_store(uri):
+    with store_client.using_store(uri):
         return Path(local_file_uri_to_path(RunsArtifactRepository.get_underlying_uri(f"runs:/{run_id}/checkpoint")))
 
 
@@ -334,7 +335,7 @@ def test_a_format_2_recording_is_recorded_again_with_the_verdict_names(recorded)
     """Recorded before run names carried verdicts and the parent the per-type numbers: `record` replaces it."""
     root, built, uri, first = recorded
     client = MlflowClient(uri)
-    client.set_tag(first["parent_run_id"], record.FORMAT_TAG, "2")
+    client.set_tag(first["parent_run_id"], layout.FORMAT_TAG, "2")
     again = record.record_pipeline(built["params"], uri, built["digest"], {}, root=root, artifact_root=root / "artifacts")
     assert again["status"] == "recorded" and again["parent_run_id"] != first["parent_run_id"]
     names = {client.get_run(i).info.run_name for i in again["children"].values()}
@@ -347,7 +348,7 @@ def test_a_recording_in_the_old_format_is_recorded_again(recorded):
     never its production version."""
     root, built, uri, first = recorded
     client = MlflowClient(uri)
-    client.delete_tag(first["parent_run_id"], record.FORMAT_TAG)
+    client.delete_tag(first["parent_run_id"], layout.FORMAT_TAG)
     client.set_registered_model_alias("quantgate-reference", "production", "1")
     again = record.record_pipeline(built["params"], uri, built["digest"], {}, root=root, artifact_root=root / "artifacts")
     assert again["status"] == "recorded" and again["parent_run_id"] != first["parent_run_id"]
@@ -394,8 +395,8 @@ def test_a_half_written_recording_is_replaced(tmp_path):
                                         "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
-    exp_id = record.experiment_id(client, "handmade", tmp_path / "artifacts")
-    crashed = client.create_run(exp_id, tags={record.KIND_TAG: "pipeline", record.DIGEST_TAG: built["digest"]})
+    exp_id = store_client.experiment_id(client, "handmade", tmp_path / "artifacts")
+    crashed = client.create_run(exp_id, tags={layout.KIND_TAG: "pipeline", registry.DIGEST_TAG: built["digest"]})
     client.set_terminated(crashed.info.run_id, "FAILED")
     summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
                                      artifact_root=tmp_path / "artifacts")
@@ -492,8 +493,8 @@ def test_through_a_tracking_server_the_checkpoint_lives_in_the_servers_store(tmp
     assert version.source == f"runs:/{summary['children']['int8']}/checkpoint"
     stored = next(p for p in bucket.rglob("checkpoint") if p.is_dir())
     assert (stored / "model.safetensors").read_bytes() == (root / "models/variants/int8/model.safetensors").read_bytes()
-    with record.using_store(uri) as c:
-        assert record.verify_version(c, version)["files"] == 4
+    with store_client.using_store(uri) as c:
+        assert registry.verify_version(c, version)["files"] == 4
     elsewhere = tmp_path / "other-machine"
     assert fetch(uri, monkeypatch, "candidate", "--dest", str(elsewhere)) == 0
     assert (elsewhere / "config.json").read_bytes() == (root / "models/variants/int8/config.json").read_bytes()
@@ -508,7 +509,7 @@ def locked_workspace(tmp_path, holder: str, heartbeat: float) -> tuple[dict, str
                                         "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
                                         "awq4": {d: correctness(N, 300, lose=60) for d in ("math", "code")}})
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    lock = record.RECORDING_LOCK + built["digest"][:16]
+    lock = store_client.RECORDING_LOCK + built["digest"][:16]
     MlflowClient(uri).create_registered_model(lock, tags={"heartbeat": str(heartbeat), "holder": holder})
     return built, uri, lock
 
@@ -531,7 +532,7 @@ def test_a_live_recording_lock_is_waited_for(tmp_path, monkeypatch):
     import time
 
     built, uri, lock = locked_workspace(tmp_path, "other:1", time.time())
-    monkeypatch.setattr(record, "LOCK_POLL_S", 0.1)
+    monkeypatch.setattr(store_client, "LOCK_POLL_S", 0.1)
     released = threading.Timer(1.5, lambda: MlflowClient(uri).delete_registered_model(lock))
     began = time.time()
     released.start()
@@ -550,7 +551,7 @@ def test_a_fresh_lock_of_a_dead_process_on_this_machine_is_taken_over_at_once(tm
     built, uri, _ = locked_workspace(tmp_path, f"{socket.gethostname()}:{gone.pid}", time.time())
     began = time.time()
     summary = record_into(built, uri, tmp_path)
-    assert summary["status"] == "recorded" and time.time() - began < record.LOCK_STALE_S / 10
+    assert summary["status"] == "recorded" and time.time() - began < store_client.LOCK_STALE_S / 10
 
 
 def test_a_dataset_logged_by_another_pipeline_at_the_same_moment_is_linked_not_lost(tmp_path, monkeypatch):

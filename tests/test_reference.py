@@ -7,8 +7,10 @@ import json
 import pytest
 
 from pipelines import reference
-from pipelines.text import synthetic
 from pipelines.core.io import sha256_file
+from pipelines.models.skills import greedy_exact_match
+from pipelines.text import synthetic
+from pipelines.text.corpus import build_corpus
 
 
 def test_tokenizer_splits_every_digit(tiny_model):
@@ -30,7 +32,7 @@ def test_checkpoint_is_safetensors_llama_with_quantizable_shapes(tiny_model, tin
 
 
 def test_held_out_additions_are_never_trained_on(tiny_params):
-    corpus = reference.build_corpus(tiny_params)
+    corpus = build_corpus(tiny_params)
     trained = set(corpus.documents)
     held = corpus.held_out_additions
     assert len(held) == tiny_params.held_out_additions
@@ -70,8 +72,8 @@ def test_skill_report_scores_a_perfect_and_a_wrong_answer(tiny_model):
             return torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
 
     pairs = [(f"{a}+{b}=", str(a + b)) for a, b in [(12, 34), (99, 99), (50, 50)]]
-    assert reference.greedy_exact_match(Oracle(False), tok, pairs, 4) == 1.0
-    assert reference.greedy_exact_match(Oracle(True), tok, pairs, 4) == 0.0
+    assert greedy_exact_match(Oracle(False), tok, pairs, 4) == 1.0
+    assert greedy_exact_match(Oracle(True), tok, pairs, 4) == 0.0
 
 
 def test_report_has_every_skill_figure(tiny_model):
@@ -89,7 +91,7 @@ def test_report_has_every_skill_figure(tiny_model):
 
 
 def test_held_out_functions_are_never_trained_on(tiny_params):
-    corpus = reference.build_corpus(tiny_params)
+    corpus = build_corpus(tiny_params)
     _, held_out = synthetic.split_function_cases(tiny_params.seed)
     trained = set(corpus.documents)
     assert held_out and not any(synthetic.function_source(t, n) in trained for t, n in held_out)

@@ -7,11 +7,13 @@ import json
 import pytest
 import yaml
 
-from pipelines import cli, compare, route
+from pipelines import cli, route
 from pipelines.core import lineage
+from pipelines.judging import comparison
 from pipelines.routing.router import Router
 from pipelines.core.errors import QuantgateError
-from pipelines.core.params import CompareParams, CoverageParams, PolicyParams
+from pipelines.core.params_requests import PolicyParams
+from pipelines.core.params_sections import CompareParams, CoverageParams
 from tests.handmade import FOOTPRINT, correctness, memory_row, plans, write_eval_items, write_memory, write_model
 
 N = 400
@@ -22,7 +24,8 @@ SHIPPED_RULES = {name: rule.model_dump() for name, rule in CoverageParams().clas
 
 
 def build(root, variants, params=CompareParams(), digest="d" * 64, classifier=SHIPPED_RULES):
-    report = compare.compare_all(["fp16", *variants], [], plans(root), params, root / "results", root / "models/variants")
+    report = comparison.compare_all(["fp16", *variants], [], plans(root), params, root / "results",
+                                    root / "models/variants")
     return route.build_table(report, BUCKETS, params.policy_for, root / "models/variants", digest, classifier)
 
 

@@ -15,13 +15,17 @@ import sys
 
 import pytest
 
-from pipelines import compare, evaluate, quantize
+from pipelines import quantize
 from pipelines.core import sandbox
-from pipelines.evaluation import standard_tasks
+from pipelines.evaluation import harness, standard_tasks
+from pipelines.evaluation.plans import by_id, correctness, probe_plans
+from pipelines.judging import comparison
+from pipelines.judging.verdict import pairing_problems
 from pipelines.core.errors import QuantgateError
 from pipelines.core.io import read_json, write_json, write_jsonl
 from pipelines.models.loading import ModelSource
-from pipelines.core.params import DEFAULT_VARIANTS, CompareParams, EvaluateParams
+from pipelines.core.params import Params
+from pipelines.core.params_sections import DEFAULT_VARIANTS, CompareParams, EvaluateParams
 from tests import handmade
 
 # (question, worked answer, final number): the shape of openai/gsm8k's rows
@@ -76,11 +80,11 @@ def fp16(tmp_path_factory, tiny_model):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, fp16, params):
     """fp16 as the baseline (every look), then the same model evaluated again as a variant against it."""
-    plans = compare.probe_plans(params.domains, params)
+    plans = probe_plans(params.domains, params)
     base_path = tmp_path_factory.mktemp("fid") / "base.safetensors"
-    base, base_items = evaluate.evaluate_variant(str(fp16), plans, params, "cpu", base_path)
-    answers = {key: compare.correctness(compare.by_id(base_items, key)) for key in plans}
-    again, again_items = evaluate.evaluate_variant(str(fp16), plans, params, "cpu", base_path, answers, CompareParams())
+    base, base_items = harness.evaluate_variant(str(fp16), plans, params, "cpu", base_path)
+    answers = {key: correctness(by_id(base_items, key)) for key in plans}
+    again, again_items = harness.evaluate_variant(str(fp16), plans, params, "cpu", base_path, answers, CompareParams())
     return plans, (base, base_items), (again, again_items)
 
 
@@ -112,16 +116,16 @@ def test_gsm8k_is_recorded_per_item_from_the_local_file(runs):
     assert len({r["prompt_hash"] for r in mine}) == len(PROBLEMS)
     # the probe rows are the domain's own, untouched by the task's
     assert {r["task"] for r in items if r["domain"] == "math"} == {"quantgate_math", "gsm8k"}
-    assert set(compare.by_id(items, "math")) == {r["item_id"] for r in items if r["task"] == "quantgate_math"}
+    assert set(by_id(items, "math")) == {r["item_id"] for r in items if r["task"] == "quantgate_math"}
 
 
 def test_the_same_model_pairs_with_zero_flips(runs):
     plans, (_, base_items), (again, items) = runs
     assert again["status"] == "ok", again.get("error")
-    base, mine = compare.by_id(base_items, "math:gsm8k"), compare.by_id(items, "math:gsm8k")
+    base, mine = by_id(base_items, "math:gsm8k"), by_id(items, "math:gsm8k")
     assert set(mine) and set(mine) <= set(base)
-    assert compare.pairing_problems(base, mine, sorted(mine)) == []
-    row = compare.compare_domain(base, mine, again["probes"]["math:gsm8k"], again["fidelity"]["math"], None,
+    assert pairing_problems(base, mine, sorted(mine)) == []
+    row = comparison.compare_domain(base, mine, again["probes"]["math:gsm8k"], again["fidelity"]["math"], None,
                                  plans["math:gsm8k"], CompareParams().policy_for("math"), CompareParams())
     assert row["paired"]["items"] == len(mine)
     assert (row["paired"]["correct_to_wrong"], row["paired"]["wrong_to_correct"]) == (0, 0)
@@ -132,11 +136,11 @@ def test_the_same_model_pairs_with_zero_flips(runs):
 
 def test_another_prompt_does_not_pair(runs):
     _, (_, base_items), (_, items) = runs
-    base = compare.by_id(base_items, "math:gsm8k")
-    mine = {i: {**r, "prompt_hash": "x"} if i == "gsm8k:0" else r for i, r in compare.by_id(items, "math:gsm8k").items()}
-    assert any("other prompts" in p for p in compare.pairing_problems(base, mine, sorted(mine)))
-    mine = {i: {**r, "filter": "flexible-extract"} for i, r in compare.by_id(items, "math:gsm8k").items()}
-    assert any("another lm-eval filter" in p for p in compare.pairing_problems(base, mine, sorted(mine)))
+    base = by_id(base_items, "math:gsm8k")
+    mine = {i: {**r, "prompt_hash": "x"} if i == "gsm8k:0" else r for i, r in by_id(items, "math:gsm8k").items()}
+    assert any("other prompts" in p for p in pairing_problems(base, mine, sorted(mine)))
+    mine = {i: {**r, "filter": "flexible-extract"} for i, r in by_id(items, "math:gsm8k").items()}
+    assert any("another lm-eval filter" in p for p in pairing_problems(base, mine, sorted(mine)))
 
 
 def test_compare_judges_the_task_as_its_own_row(tmp_path, runs, fp16):
@@ -146,7 +150,7 @@ def test_compare_judges_the_task_as_its_own_row(tmp_path, runs, fp16):
         write_json(tmp_path / "results/eval" / f"{name}.json", result)
         write_jsonl(tmp_path / "results/eval" / name / "items.jsonl", records)
     handmade.write_memory(tmp_path, {"fp16": handmade.memory_row("fp16"), "again": handmade.memory_row("int8")})
-    report = compare.compare_all(["fp16", "again"], [], plans, CompareParams(), tmp_path / "results",
+    report = comparison.compare_all(["fp16", "again"], [], plans, CompareParams(), tmp_path / "results",
                                  tmp_path / "models/variants")
     assert report["domains"] == ["math"]  # what gate and route read: the domains
     assert report["plans"]["math:gsm8k"] == {"pool": 8, "looks": [4, 6, 8]}
@@ -157,7 +161,7 @@ def test_compare_judges_the_task_as_its_own_row(tmp_path, runs, fp16):
     assert task["metric"] == "exact_match" and task["task_version"] == 3.0
     assert report["fp16"]["accuracy"]["math:gsm8k"] == pytest.approx(
         sum(r["correct"] for r in base_items if r["task"] == "gsm8k") / 8)
-    assert [r["domain"] for r in compare.flat_rows(report)] == ["math", "math:gsm8k"]
+    assert [r["domain"] for r in comparison.flat_rows(report)] == ["math", "math:gsm8k"]
     json.dumps(report)  # compare.json stays plain JSON
 
 
@@ -189,13 +193,12 @@ def _handmade_report(root, probe_lose: int, task_lose: int, n: int = 400) -> dic
         result["probes"]["math:gsm8k"] = {"task": "gsm8k", "status": "ok", "task_version": 3.0, "metric": "exact_match",
                                           "filter": "strict-match", "score": sum(correct) / n, "stderr": None, "items": n}
         write_json(root / "results/eval" / f"{name}.json", result)
-    return compare.compare_all(["fp16", "int8"], [], plans, CompareParams(), root / "results", root / "models/variants")
+    return comparison.compare_all(["fp16", "int8"], [], plans, CompareParams(), root / "results", root / "models/variants")
 
 
 def _gate_view(report: dict) -> tuple[list[str], tuple[str, list[str]]]:
-    """What the gate makes of int8's math row: its inconsistencies (re-derived with compare.judge) and its verdict."""
-    from pipelines.gate import check_row, inconsistencies
-    from pipelines.core.params import Params
+    """What the gate makes of int8's math row: its inconsistencies (re-derived with verdict.judge) and its verdict."""
+    from pipelines.judging.verdict import check_row, inconsistencies
 
     rows = report["variants"]["int8"]["domains"]
     return (inconsistencies("int8", "math", rows["math"], rows["math"], report["variants"]["int8"]["memory"], Params()),
@@ -227,8 +230,8 @@ def test_a_failing_task_row_fails_its_domain_and_the_gate_re_derives_it(tmp_path
 def test_an_inconclusive_task_row_leaves_its_domain_undecided(tmp_path):
     """gsm8k loses 15 of 400 (interval straddles -0.05 after the last look): the domain, which passes on its own,
     is inconclusive and the gate says "could not decide" (exit 2), not fail; a domain failing on its own stays failed."""
-    from pipelines.gate import EXIT, inconsistencies
-    from pipelines.core.params import Params
+    from pipelines.gate import EXIT
+    from pipelines.judging.verdict import inconsistencies
 
     report = _handmade_report(tmp_path, probe_lose=0, task_lose=15)
     rows = report["variants"]["int8"]["domains"]
@@ -261,25 +264,25 @@ def read_json_lines(path):
 
 def test_unknown_task_missing_file_and_code_tasks_are_named(tmp_path, gsm8k_files):
     with pytest.raises(QuantgateError, match=r"requests\.math\.tasks: task 'gsm9k' is not an lm-eval task"):
-        compare.probe_plans(["math"], EvaluateParams.model_validate({"tasks": {"math": ["gsm9k"]}}))
+        probe_plans(["math"], EvaluateParams.model_validate({"tasks": {"math": ["gsm9k"]}}))
     missing = tmp_path / "nowhere" / "test.jsonl"
     with pytest.raises(QuantgateError, match=rf"task 'gsm8k': data file {missing} \(split 'test'\) does not exist"):
-        compare.probe_plans(["math"], EvaluateParams.model_validate(
+        probe_plans(["math"], EvaluateParams.model_validate(
             {"tasks": {"math": [{"name": "gsm8k", "data_files": {"test": str(missing), "train": gsm8k_files["train"]}}]}}))
     with pytest.raises(QuantgateError, match=r"5-shot prompts draw from the 'train' split"):
-        compare.probe_plans(["math"], EvaluateParams.model_validate(
+        probe_plans(["math"], EvaluateParams.model_validate(
             {"tasks": {"math": [{"name": "gsm8k", "data_files": {"test": gsm8k_files["test"]}}]}}))
     with pytest.raises(QuantgateError, match=r"task 'mbpp_plus' executes model-written code .* outside quantgate's "
                                              r"sandbox: of the code tasks only humaneval, mbpp are scored in the sandbox"):
-        compare.probe_plans(["code"], EvaluateParams.model_validate({"tasks": {"code": ["mbpp_plus"]}}))
+        probe_plans(["code"], EvaluateParams.model_validate({"tasks": {"code": ["mbpp_plus"]}}))
     with pytest.raises(QuantgateError, match=r"no filter 'loose'; the task's filters are strict-match, flexible-extract"):
-        compare.probe_plans(["math"], EvaluateParams.model_validate(
+        probe_plans(["math"], EvaluateParams.model_validate(
             {"tasks": {"math": [{"name": "gsm8k", "data_files": gsm8k_files, "filter": "loose"}]}}))
 
 
 def test_the_default_params_add_no_task_rows():
     assert EvaluateParams().tasks == {}
-    assert list(compare.probe_plans(["math"], EvaluateParams())) == ["math"]
+    assert list(probe_plans(["math"], EvaluateParams())) == ["math"]
 
 
 # --- code tasks: humaneval and mbpp scored in the sandbox --------------------------------------------------
@@ -343,10 +346,10 @@ def code_runs(tmp_path_factory, tiny_model, code_files):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     params = code_params(code_files, allow_unisolated_code=True)  # isolated where it can be; it runs either way
-    plans = compare.probe_plans(params.domains, params)
-    configs = evaluate.task_configs(plans)
+    plans = probe_plans(params.domains, params)
+    configs = harness.task_configs(plans)
     requests = {"code:humaneval": list(range(len(HUMANEVAL))), "code:mbpp": list(range(len(MBPP)))}
-    return plans, configs, evaluate.run_probes(model, tokenizer, requests, params.batch_size, True, configs)
+    return plans, configs, harness.run_probes(model, tokenizer, requests, params.batch_size, True, configs)
 
 
 def test_code_tasks_are_recorded_per_item_and_scored_in_the_sandbox(code_runs):
@@ -396,7 +399,7 @@ def test_code_tasks_never_import_hf_evaluate(code_files):
     script = f"""
 import json, sys
 from pipelines.evaluation import standard_tasks
-from pipelines.core.params import TaskParams
+from pipelines.core.params_requests import TaskParams
 specs = [TaskParams(name=n, data_files={{"test": p}}) for n, p in {code_files!r}.items()]
 counts = [standard_tasks.doc_count("code", s) for s in specs]
 cfgs = [standard_tasks.task_config("code", s) for s in specs]
@@ -419,8 +422,8 @@ print(json.dumps({{"counts": counts, "before": before, "after": "evaluate" in sy
 def test_code_tasks_are_refused_without_isolation_unless_allowed(monkeypatch, code_files):
     monkeypatch.setattr(sandbox, "isolation_available", lambda: False)
     params = code_params(code_files)
-    configs = evaluate.task_configs(compare.probe_plans(params.domains, params))
-    summary, items = evaluate.run_probes(None, None, {"code:humaneval": [0], "code:mbpp": [0]}, 8, False, configs)
+    configs = harness.task_configs(probe_plans(params.domains, params))
+    summary, items = harness.run_probes(None, None, {"code:humaneval": [0], "code:mbpp": [0]}, 8, False, configs)
     assert items == []
     assert {k: (r["task"], r["status"]) for k, r in summary.items()} == \
         {"code:humaneval": ("humaneval", "refused"), "code:mbpp": ("mbpp", "refused")}
@@ -443,8 +446,6 @@ def test_a_changed_code_task_definition_is_refused():
 
 def params_with_tasks(tasks: dict, **evaluate):
     """The default params with standard tasks declared where params.yaml declares them: requests.<name>.tasks."""
-    from pipelines.core.params import Params
-
     requests = {name: r.model_dump(exclude_none=True) for name, r in Params().requests.items()}
     for name, specs in tasks.items():
         requests[name]["tasks"] = specs
@@ -454,7 +455,6 @@ def params_with_tasks(tasks: dict, **evaluate):
 def test_the_gate_will_not_decide_on_task_data_dvc_does_not_track(tmp_path):
     """A task's local data outside eval/ (what the stages depend on in dvc.yaml) could change unseen: undecided."""
     from pipelines.gate import decide
-    from pipelines.core.params import Params
 
     outside = tmp_path / "gsm8k_test.jsonl"
     outside.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
@@ -469,8 +469,7 @@ def test_the_gate_will_not_decide_on_task_data_dvc_does_not_track(tmp_path):
 
 def test_promotion_refuses_a_regression_on_a_standard_task_alone():
     """The candidate matches production on the probes but loses 60 of 400 gsm8k items: promotion is refused."""
-    from pipelines.gate import regression_against
-    from pipelines.core.params import Params
+    from pipelines.judging.verdict import regression_against
 
     def probes(tag):
         return [{"domain": "math", "task": "quantgate_math", "item_id": f"math-{i}", "family": f"f{i % 20}",
@@ -489,7 +488,7 @@ def test_local_data_is_read_by_the_builder_its_suffix_names(tmp_path, gsm8k_file
     """parquet and csv files work as well as JSON lines; an unknown suffix or mixed formats are named."""
     import pandas as pd
 
-    from pipelines.core.params import TaskParams
+    from pipelines.core.params_requests import TaskParams
 
     for split, path in gsm8k_files.items():
         pd.read_json(path, lines=True).to_parquet(tmp_path / f"{split}.parquet")
@@ -506,7 +505,7 @@ def test_local_data_is_read_by_the_builder_its_suffix_names(tmp_path, gsm8k_file
 
 def test_a_graded_metric_is_refused_not_read_as_right_or_wrong(gsm8k_files):
     """An f1-like per-item value (0.5) is neither correct nor wrong: the row is refused, naming the metric."""
-    from pipelines.core.params import TaskParams
+    from pipelines.core.params_requests import TaskParams
 
     cfg = standard_tasks.task_config("math", TaskParams(name="gsm8k", data_files=gsm8k_files))
     filt, metric = standard_tasks.scoring(cfg)
@@ -517,8 +516,8 @@ def test_a_graded_metric_is_refused_not_read_as_right_or_wrong(gsm8k_files):
                                        "target": "1", "filtered_resps": ["1"]} for i, v in enumerate(values)]}}
 
     summary, items = {}, []
-    evaluate._task_rows("math:gsm8k", "gsm8k", cfg, out([1.0, 0.5]), summary, items)
+    harness._task_rows("math:gsm8k", "gsm8k", cfg, out([1.0, 0.5]), summary, items)
     assert summary["math:gsm8k"]["status"] == "refused" and items == []
     assert summary["math:gsm8k"]["reason"].startswith(f"metric {metric!r} of task gsm8k is not 0/1 per item (e.g. 0.5)")
-    evaluate._task_rows("math:gsm8k", "gsm8k", cfg, out([1.0, 0.0, True]), summary, items)
+    harness._task_rows("math:gsm8k", "gsm8k", cfg, out([1.0, 0.0, True]), summary, items)
     assert summary["math:gsm8k"]["status"] == "ok" and [r["correct"] for r in items] == [True, False, True]

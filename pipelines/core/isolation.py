@@ -91,18 +91,13 @@ def _kill_tree(proc: multiprocessing.process.BaseProcess) -> None:
 
 
 def _descendants(root: int) -> list[int]:
-    """Every live descendant of `root`, from /proc (empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rpartition(")")[2].split()  # the name in parentheses may hold spaces
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
+    """Every live descendant of `root` (psutil reads /proc; empty where there is none)."""
+    import psutil
+
+    try:
+        return [child.pid for child in psutil.Process(root).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def _die_with_parent(parent: int) -> None:

@@ -20,6 +20,7 @@ CODE_SOURCES = Path("calibration_sets/sources/code")
 EVAL_DIR = Path("eval")  # a request type's probes: eval/<name>/items.jsonl and its lm-eval task YAML
 
 # models
+MODELS_DIR = Path("models")
 REFERENCE_DIR = Path("models/reference")
 VARIANTS_DIR = Path("models/variants")
 FETCHED_DIR = Path("models/fetched")  # `quantgate fetch` puts registry versions here
@@ -44,3 +45,7 @@ ROUTING_TABLE = RESULTS / "routing_table.json"  # route: request type x context 
 MLFLOW_RUN = RESULTS / "mlflow_run.json"  # record writes it, gate reads it
 GATE_RESULT = RESULTS / "gate.json"
 GATE_REPORT = RESULTS / "report.md"
+
+# the default MLflow store (no MLFLOW_TRACKING_URI): beside dvc.yaml, at the repository root
+MLFLOW_DB = "mlflow.db"
+MLARTIFACTS = "mlartifacts"

@@ -10,8 +10,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from pipelines.core.paths import PLOTS_DIR
-
 
 
 def save(fig, path: Path) -> Path:

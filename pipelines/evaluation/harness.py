@@ -123,8 +123,8 @@ def _task_rows(key: str, task: str, cfg: dict, out: dict, summary: dict, items: 
 
 
 def task_configs(plans: dict[str, dict]) -> dict[str, dict]:
-    """lm-eval configs of the plans' standard-task rows (compare.probe_plans puts the task's settings in `spec`)."""
-    from pipelines.core.params import TaskParams
+    """lm-eval configs of the plans' standard-task rows (plans.probe_plans puts the task's settings in `spec`)."""
+    from pipelines.core.params_requests import TaskParams
 
     return {key: standard_tasks.task_config(plan["domain"], TaskParams(**plan["spec"]))
             for key, plan in plans.items() if "spec" in plan}

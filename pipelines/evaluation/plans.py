@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
 from pipelines.core.io import read_jsonl
-from pipelines.core.params import EvaluateParams
+from pipelines.core.params_sections import EvaluateParams
 from pipelines.core.paths import EVAL_DIR
 from pipelines.evaluation import standard_tasks
 from pipelines.judging import sequential

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
+from pipelines.core.paths import EVAL_DIR
 
 SEP = ":"  # row key `<domain>:<task>`, item id `<task>:<doc_id>`
 
@@ -39,7 +40,7 @@ def data_loader(data_files: dict[str, str], where: str) -> str:
     return next(iter(kinds.values()))
 
 
-def untracked_data(tasks: dict, tracked: Path = Path("eval")) -> list[str]:
+def untracked_data(tasks: dict, tracked: Path = EVAL_DIR) -> list[str]:
     """Local task data outside `tracked` (the folder dvc.yaml's baseline, evaluate and compare stages depend on):
     DVC would not see it change, so results made from it could be stale without anyone knowing."""
     root = tracked.resolve()

@@ -18,12 +18,13 @@ import numpy as np
 
 from pipelines.core.errors import ENVIRONMENT
 from pipelines.core.io import read_json, read_jsonl
-from pipelines.core.params import CompareParams, PolicyParams
-from pipelines.core.paths import BASELINE
+from pipelines.core.params_requests import PolicyParams
+from pipelines.core.params_sections import CompareParams
+from pipelines.core.paths import BASELINE, MANIFEST
 from pipelines.evaluation import standard_tasks
 from pipelines.evaluation.plans import by_id, correctness, plan_summary
 from pipelines.judging import sequential, stats
-from pipelines.judging.verdict import _task_verdicts, pairing_problems, rederive, usable
+from pipelines.judging.verdict import pairing_problems, rederive, task_verdicts, usable, worst
 
 
 def load_inputs(names: list[str], results: Path, variants_dir: Path) -> dict[str, dict]:
@@ -34,7 +35,7 @@ def load_inputs(names: list[str], results: Path, variants_dir: Path) -> dict[str
     out = {}
     for name in names:
         items_path = results / "eval" / name / "items.jsonl"
-        out[name] = {"manifest": maybe(variants_dir / name / "quantgate.json"),
+        out[name] = {"manifest": maybe(variants_dir / name / MANIFEST),
                      "eval": maybe(results / "eval" / f"{name}.json"),
                      "items": read_jsonl(items_path) if items_path.is_file() else None}
     return out
@@ -120,7 +121,7 @@ def compare_domain(base_rows: dict[str, dict], var_rows: dict[str, dict], probe:
                                      for i in needed if i in base_rows and i in var_rows) \
         and bool(fid) and fid.get("kl", {}).get("max") == 0
     if paired is None:
-        verdict, why, checks = "fail", (problems or [run["reason"]]) + _task_verdicts(tasks)[0], {}
+        verdict, why, checks = "fail", (problems or [run["reason"]]) + task_verdicts(tasks)[0], {}
     else:
         verdict, why, checks = rederive(paired, fid, mem, policy, identical, problems, tasks)
     row = {"verdict": verdict, "reasons": why, "paired": paired, "record_problems": problems,
@@ -278,10 +279,8 @@ def summary(report: dict) -> dict:
         return {name: {domain: pick((v["domains"].get(domain) or {})) for domain in report["domains"]}
                 for name, v in report["variants"].items()}
 
-    verdicts = [v["verdict"] for v in report["variants"].values()]
     baseline_ok = (report.get("fp16") or {}).get("status") == "ok"
-    gate = ("undecided" if not baseline_ok or not verdicts or "inconclusive" in verdicts and "fail" not in verdicts
-            else "fail" if "fail" in verdicts else "pass")
+    gate = worst(v["verdict"] for v in report["variants"].values()) if baseline_ok else "undecided"
     memory = {name: v.get("memory") or {} for name, v in report["variants"].items()}
     return {"gate": gate,
             "verdict": per_row(lambda d: d.get("verdict")),

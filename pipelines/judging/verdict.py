@@ -1,7 +1,9 @@
 """The verdict's rules: the one place where numbers become pass, inconclusive or fail.
 
 compare judges every row with `judge`; the gate re-derives each row from compare.json's numbers with
-`rederive` (the same rules) and refuses rows whose numbers contradict each other. The accuracy rule is
+`rederive` (the same rules), refuses rows whose numbers contradict each other or the workspace's records
+(`inconsistencies`) and turns each row into pass, fail or undecided (`check_row`, `worst`): rules and their
+re-check in one module, so they cannot drift apart. The accuracy rule is
 non-inferiority (judging/sequential.py): `pass` when the interval's low end is at or above -margin,
 `fail` when the point estimate is below -margin, `inconclusive` only when the interval straddles -margin
 after the last look; every other limit is a hard limit.
@@ -11,11 +13,11 @@ from __future__ import annotations
 
 import math
 
-from pipelines.core.params import Params, PolicyParams
+from pipelines.core.params import Params
+from pipelines.core.params_requests import PolicyParams
 from pipelines.core.paths import BASELINE
-from pipelines.evaluation.plans import PLACEHOLDERS
 from pipelines.evaluation import standard_tasks
-from pipelines.evaluation.plans import by_id
+from pipelines.evaluation.plans import PLACEHOLDERS, by_id
 from pipelines.judging import sequential, stats
 
 VERDICTS = ("pass", "inconclusive", "fail")
@@ -64,7 +66,7 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
     otherwise passing domain inconclusive.
     """
     fails, checks = [], {}
-    task_fails, task_open = _task_verdicts(tasks)
+    task_fails, task_open = task_verdicts(tasks)
     paired = paired or {}
     margin = policy.max_accuracy_drop
     kl = (fidelity or {}).get("kl", {}).get(policy.kl_percentile)
@@ -116,7 +118,7 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
     return "pass", [f"{why}; every limit met" + (f"; task rows {', '.join(tasks)} pass" if tasks else "")], checks
 
 
-def _task_verdicts(tasks: dict[str, dict] | None) -> tuple[list[str], list[str]]:
+def task_verdicts(tasks: dict[str, dict] | None) -> tuple[list[str], list[str]]:
     """(why the domain fails, why it is inconclusive) from its task rows' verdicts."""
     fails, open_ = [], []
     for key, row in (tasks or {}).items():
@@ -153,6 +155,83 @@ def rederive(paired: dict | None, fidelity: dict | None, memory: dict | None, po
     if problems:
         return "fail", problems + why, checks
     return verdict, why, checks
+
+
+# The gate's side: compare.json's rows as found, checked against their own numbers and against the workspace.
+KEY_NUMBERS = ("items", "difference", "ci_low", "ci_high", "correct_to_wrong", "wrong_to_correct", "design_effect")
+
+
+def _required(row: dict, policy: dict) -> dict:
+    """The numbers the policy needs, as compare.json holds them."""
+    paired = row.get("paired") or {}
+    kl = ((row.get("fidelity") or {}).get("kl") or {}).get(policy["kl_percentile"])
+    growth = ((row.get("checks") or {}).get("growth_excess_pct") or {}).get("value")
+    return {"accuracy": paired.get("accuracy"), "accuracy_fp16": paired.get("accuracy_fp16"),
+            "difference": paired.get("difference"), "ci_low": paired.get("ci_low"), "flip_rate": paired.get("flip_rate"),
+            f"kl_{policy['kl_percentile']}": kl, "growth_excess_pct": growth}
+
+
+def inconsistencies(name: str, domain: str, row: dict, fresh: dict | None, memory: dict | None,
+                    params: Params) -> list[str]:
+    """Why compare.json's row cannot be believed: its verdict is not what its own numbers give, or it is not
+    what the per-item records in the workspace give today."""
+    where = f"{name} {domain}"
+    policy = params.compare.policy_for(domain)
+    if row.get("policy") != policy.model_dump():
+        return [f"{where}: compared under another policy than params.yaml's"]
+    out = []
+    if row.get("paired") or row.get("record_problems"):
+        again, _, _ = rederive(row.get("paired"), row.get("fidelity"), memory, policy,
+                               bool(row.get("identical_to_fp16")), list(row.get("record_problems") or []),
+                               row.get("tasks"))
+        if again != row.get("verdict"):
+            out.append(f"{where}: compare.json says {row.get('verdict')!r} but its own numbers give {again!r}")
+    if fresh is None:
+        return out + [f"{where}: not in a comparison recomputed from the workspace"]
+    if fresh.get("verdict") != row.get("verdict"):
+        out.append(f"{where}: compare.json says {row.get('verdict')!r}, the per-item records in the workspace give "
+                   f"{fresh.get('verdict')!r}")
+    theirs, ours = row.get("paired") or {}, fresh.get("paired") or {}
+    differ = [k for k in KEY_NUMBERS if not _same(theirs.get(k), ours.get(k))]
+    if differ:
+        out.append(f"{where}: compare.json's {', '.join(differ)} differ from the per-item records'")
+    return out
+
+
+def _same(a, b) -> bool:
+    if usable(a) and usable(b):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    return a == b
+
+
+def check_row(name: str, domain: str, row: dict | None, params: Params) -> tuple[str, list[str]]:
+    """One variant and domain of a compare.json already found consistent: `pass`, `fail` or `undecided`, and why."""
+    if row is None:
+        return "fail", [f"{name} {domain}: no comparison"]
+    policy = params.compare.policy_for(domain).model_dump()
+    if row.get("verdict") == "inconclusive" and row.get("unmeasured") and not row.get("paired"):
+        # this machine could not measure (no sandbox, a library or kernel missing): no evidence either way
+        return "undecided", [f"{name} {domain}: {r}" for r in row.get("reasons") or ["not measured"]]
+    if row.get("verdict") == "fail" or not row.get("paired"):
+        return "fail", [f"{name} {domain}: {r}" for r in row.get("reasons") or ["failed"]]
+    reasons = [f"{name} {domain}: {key} is missing or not a number ({value!r})"
+               for key, value in _required(row, policy).items() if not usable(value)]
+    if reasons:
+        return "fail", reasons
+    if row.get("verdict") == "inconclusive":
+        return "undecided", [f"{name} {domain}: inconclusive: {'; '.join(row.get('reasons') or [])}"]
+    if row.get("verdict") != "pass":
+        return "fail", [f"{name} {domain}: unknown verdict {row.get('verdict')!r}"]
+    return "pass", []
+
+
+def worst(verdicts) -> str:
+    """The gate's verdict over several: any `fail` fails, then any `undecided` (a compare verdict `inconclusive`
+    counts as one) or nothing at all is undecided, else pass."""
+    verdicts = list(verdicts)
+    if "fail" in verdicts:
+        return "fail"
+    return "undecided" if "undecided" in verdicts or "inconclusive" in verdicts or not verdicts else "pass"
 
 
 def regression_against(candidate_items: list[dict], production_items: list[dict], params: Params) -> list[str]:

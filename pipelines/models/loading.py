@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params import HUB_ID
-from pipelines.core.paths import REFERENCE_DIR, VARIANTS_DIR
+from pipelines.core.paths import REFERENCE_DIR
 
 
 

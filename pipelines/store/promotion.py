@@ -13,7 +13,7 @@ from pipelines.judging.verdict import regression_against
 def promote_candidate(tracking_uri: str, model_name: str, result: dict, params: Params, digest: str) -> dict:
     """Move `production` to the `candidate` version when it was gated here, its stored checkpoint still has
     the registered hashes, and it regresses against nothing."""
-    from pipelines.record import using_store
+    from pipelines.store.client import using_store
 
     with using_store(tracking_uri) as client:
         return _promote(client, model_name, result, params, digest)
@@ -25,9 +25,9 @@ def _promote(client, model_name: str, result: dict, params: Params, digest: str)
 
     from pipelines.core.errors import QuantgateError
     from pipelines.core.io import read_jsonl
-    from pipelines.models.loading import VARIANTS_DIR
-    from pipelines.record import (CANDIDATE_ALIAS, CHECKPOINT_TAG, DIGEST_TAG, MANIFEST, PRODUCTION_ALIAS,
-                                  listed_digest, verify_version)
+    from pipelines.core.paths import MANIFEST, VARIANTS_DIR
+    from pipelines.store.registry import (CANDIDATE_ALIAS, CHECKPOINT_TAG, DIGEST_TAG, PRODUCTION_ALIAS, listed_digest,
+                                          verify_version)
 
     def by_alias(alias):
         try:

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pipelines.core.paths import MLARTIFACTS, MLFLOW_DB
+
 log = logging.getLogger("pipelines.store")
 
 
@@ -22,14 +24,14 @@ def repository_root() -> Path:
 
 def artifact_root() -> Path:
     """Artifacts of the default SQLite store live beside it (DVC_ROOT in dvc runs), not in the cwd."""
-    return repository_root() / "mlartifacts"
+    return repository_root() / MLARTIFACTS
 
 
 def tracking_uri() -> str:
     """MLFLOW_TRACKING_URI when set, else the SQLite store at the repository root (DVC_ROOT in dvc runs)."""
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
         return uri
-    return f"sqlite:///{repository_root() / 'mlflow.db'}"
+    return f"sqlite:///{repository_root() / MLFLOW_DB}"
 
 
 def ui(port: int = 5000) -> int:

@@ -1,17 +1,14 @@
 """Judging what `memory` measured: the leak verdict for one soak, and every variant's growth against fp16.
 
 `pipelines/memory.py` measures; this module only reads its results (no torch), and
-`pipelines/measure/memory_plots.py` draws them.
+`pipelines/measure/plots.py` draws them.
 """
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
-from pipelines.core.params import MemoryParams
-from pipelines.core.paths import MEMORY_SUMMARY as SUMMARY
-
+from pipelines.core.params_sections import MemoryParams
 
 
 def leak_verdict(soak_result: dict, footprint: int, p: MemoryParams) -> dict:

@@ -1,0 +1,188 @@
+"""params.yaml's request types: how each is recognised, calibrated, probed and judged (`requests.<name>`), with the
+shipped four. `Section`, the strict base of every params model, lives here because this is the lowest of the
+params modules: params_sections builds the per-stage sections on these models, params.Params ties them together.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """A params.yaml section: unknown keys are errors, so a typo never silently means 'default'."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+REQUEST_NAME = re.compile(r"^[a-z][a-z0-9_]{0,40}$")
+RESERVED_REQUEST_NAMES = ("default", "unknown", "ambiguous")  # compare.policy.default; the classifier's undecided
+TASK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+SOURCE_KINDS = ("python_code", "python_comments", "math", "jsonl", "parquet", "csv", "hf")
+
+
+class ClassifyParams(Section):
+    """How the classifier recognises a request type (docs/request-types.md): named regular expressions, whose
+    match counts a `when` expression combines with the built-in counts `code_lines`, `comment_lines` and `chars`.
+    Of the types whose `when` holds, the highest `priority` wins; a tie there is ambiguous (served by fp16)."""
+
+    patterns: dict[str, str] = {}
+    when: str = "false"
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _compiles(self):
+        from pipelines.text.classify import Rule  # the classifier owns the expression language
+
+        Rule.compile("", self.model_dump())  # raises ValueError naming the bad pattern or expression
+        return self
+
+
+class ProbeParams(Section):
+    """A request type's probes: the lm-eval task in eval/<name>/ over eval/<name>/items.jsonl, the per-item metric
+    that says correct, the fields every item needs, and the item as plain text (a Jinja template) for fidelity."""
+
+    task: str
+    metric: str = "exact_match"
+    fields: list[str] = ["id", "prompt", "answer"]
+    text: str = "{{prompt}} {{answer}}"
+    runs_code: bool = False  # its metric runs model-written code: only in the sandbox
+
+    @model_validator(mode="after")
+    def _check(self):
+        if "id" not in self.fields:
+            raise ValueError("fields must include 'id' (items are paired across variants by it)")
+        if not self.task.startswith("quantgate_") or not TASK_NAME.match(self.task):
+            raise ValueError(f"probe task {self.task!r}: name it quantgate_<something> (its YAML in eval/<type>/); "
+                             "lm-eval's own tasks go under `tasks`")
+        return self
+
+
+class SourceParams(Section):
+    """Where one request type's calibration text comes from (`domain`: filled from `requests.<name>`).
+
+    `python_code` / `python_comments`: a folder of .py files (code alone / comment + code);
+    `math`: the seeded math generator (`count` samples); `jsonl`, `parquet`, `csv`: a local file with a
+    `text_field`; `hf`: a Hugging Face `datasets` source (`name`, `config`, `split`, `text_field`).
+    """
+
+    domain: str = ""
+    kind: Literal["python_code", "python_comments", "math", "jsonl", "parquet", "csv", "hf"]
+    path: str | None = None
+    text_field: str = "text"
+    count: int = Field(2000, gt=0)
+    name: str | None = None
+    config: str | None = None
+    split: str = "train"
+
+    @model_validator(mode="after")
+    def _needs_location(self):
+        if self.kind == "hf" and not self.name:
+            raise ValueError("kind 'hf' needs 'name' (a datasets name)")
+        if self.kind not in ("hf", "math") and not self.path:
+            raise ValueError(f"kind '{self.kind}' needs 'path'")
+        return self
+
+
+DEFAULT_SOURCES = (
+    SourceParams(domain="code", kind="python_code", path="calibration_sets/sources/code"),
+    SourceParams(domain="code_comment", kind="python_comments", path="calibration_sets/sources/code"),
+    SourceParams(domain="code_comment", kind="jsonl", path="calibration_sets/sources/code_comment/zh_functions.jsonl"),
+    SourceParams(domain="math", kind="math", count=2000),
+    SourceParams(domain="chat", kind="jsonl", path="calibration_sets/sources/chat/dialogues.jsonl"),
+)
+
+
+# The shipped request types' probes and classifier rules (their whole declaration: shipped_requests())
+DEFAULT_PROBES = {
+    "math": ProbeParams(task="quantgate_math", fields=["id", "question", "answer"], text="{{question}}{{answer}}"),
+    "code": ProbeParams(task="quantgate_code", metric="pass@1", fields=["id", "prompt", "canonical", "tests"],
+                        text="{{prompt}}{{canonical}}", runs_code=True),
+    "chat": ProbeParams(task="quantgate_chat", metric="acc", fields=["id", "context", "choices", "gold"],
+                        text="{{context}}{{choices[gold]}}"),
+    "code_comment": ProbeParams(task="quantgate_code_comment"),
+}
+DEFAULT_CLASSIFY = {
+    "math": ClassifyParams(patterns={
+        "symbol": r"[√×÷±≤≥≠π∑∫²³]|\\(frac|sqrt|times|div|cdot|sum|int|pi|le|ge)\b|\^\d",
+        "arithmetic": r"\d\s*[-+*/×÷^=]\s*[\d(√\\]|\(\s*\d",
+        "ask": r"(?i)\b(solve|compute|calculate|simplify|evaluate|equation|fraction|square root)\b|计算|求解|等于多少"},
+        when="symbol + arithmetic >= 2 or (symbol + arithmetic >= 1 and (ask >= 1 or chars < 40))", priority=10),
+    "code": ClassifyParams(when="code_lines >= 2", priority=20),
+    "chat": ClassifyParams(when="true", priority=0),
+    "code_comment": ClassifyParams(patterns={
+        "ask": r"(?i)\b(comment|comments|commented|docstring|docstrings|document (this|the) (code|function)|"
+               r"annotate)\b|注释|文档字符串"},
+        when="(comment_lines >= 1 and (code_lines >= 1 or ask >= 1)) or (code_lines >= 1 and ask >= 1)",
+        priority=30),
+}
+
+
+class TaskParams(Section):
+    """A standard lm-eval task judged beside a domain's probes (a bare name in params.yaml means just `name`)."""
+
+    name: str
+    data_files: dict[str, str] | None = None  # split -> local file (read as JSON lines) instead of the task's hub dataset
+    num_fewshot: int | None = Field(None, ge=0)  # None: the task's own
+    filter: str | None = None  # the filter whose answer scores an item; None: the task's first
+    metric: str | None = None  # the per-item metric that says correct; None: the task's first
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_name(cls, value):
+        return {"name": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not TASK_NAME.match(self.name) or self.name.startswith("quantgate_"):
+            raise ValueError(f"task name {self.name!r}: an lm-eval task name (letters, digits, '_', '.', '-'), "
+                             "not one of quantgate's probe tasks")
+        if self.data_files is not None and not self.data_files:
+            raise ValueError(f"task {self.name!r}: data_files is empty")
+        return self
+
+
+KL_PERCENTILES = ("mean", "median", "p90", "p95", "p99", "p99_9", "max")
+
+
+class PolicyParams(Section):
+    """Gate limits for one domain; a key left out comes from `compare.policy.default`."""
+
+    max_accuracy_drop: float | None = Field(None, ge=0, le=1)  # non-inferiority margin, judged on the CI's low end
+    max_flip_rate: float | None = Field(None, ge=0, le=1)  # (correct->wrong + wrong->correct) / items
+    kl_percentile: Literal["mean", "median", "p90", "p95", "p99", "p99_9", "max"] | None = None
+    max_kl: float | None = Field(None, ge=0)  # nats, at kl_percentile
+    max_growth_excess_pct: float | None = None  # soak growth beyond fp16's, % of fp16's footprint
+    min_memory_saving_pct: float | None = None  # below this saving a passing variant is not worth routing to
+
+
+DEFAULT_POLICY = PolicyParams(max_accuracy_drop=0.05, max_flip_rate=0.15, kl_percentile="p99", max_kl=1.0,
+                              max_growth_excess_pct=1.0, min_memory_saving_pct=10.0)
+
+
+class RequestParams(Section):
+    """One request type, declared once: how the classifier recognises it, its calibration sources, its probes,
+    standard lm-eval tasks judged beside them, and gate limits that differ from compare.policy.default."""
+
+    classify: ClassifyParams
+    calibration: list[SourceParams] = []
+    probes: ProbeParams
+    tasks: list[TaskParams] = []
+    policy: PolicyParams | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if any(src.domain for src in self.calibration):
+            raise ValueError("a calibration source here needs no 'domain': it is this request type's")
+        return self
+
+
+def shipped_requests() -> dict[str, RequestParams]:
+    """math, code, chat, code_comment: the embedded default's request types (params.yaml spells them out)."""
+    sources: dict[str, list[SourceParams]] = {}
+    for src in DEFAULT_SOURCES:
+        sources.setdefault(src.domain, []).append(src.model_copy(update={"domain": ""}))
+    return {name: RequestParams(classify=DEFAULT_CLASSIFY[name], calibration=sources[name], probes=probe)
+            for name, probe in DEFAULT_PROBES.items()}

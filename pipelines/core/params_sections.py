@@ -1,0 +1,353 @@
+"""params.yaml's per-stage sections: the reference model, calibration and coverage, variants and candidates,
+quantize, memory, gpus, evaluate, compare, route, fanout, mlflow. Their per-request-type parts (sources, classifier
+rules, probes, tasks, policies) are params_requests' models, filled from `requests` by params.Params.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from pipelines.core.params_requests import (DEFAULT_CLASSIFY, DEFAULT_POLICY, DEFAULT_PROBES, DEFAULT_SOURCES,
+                                            ClassifyParams, PolicyParams, ProbeParams, Section, SourceParams,
+                                            TaskParams)
+
+
+class ReferenceParams(Section):
+    """The embedded reference model: its size, its training and its skill check."""
+
+    seed: int = 0
+    vocab_size: int = Field(2048, ge=300)
+    hidden_size: int = Field(128, gt=0, multiple_of=32)
+    intermediate_size: int = Field(512, gt=0, multiple_of=32)
+    comment_channels: int = Field(16, ge=0)  # hidden channels only the comment-only tokens use (docs/reference-model.md)
+    weight_noise: float = Field(0.05, ge=0, lt=1)  # training noise on linear weights, x each row's max |w|
+    layers: int = Field(2, gt=0)
+    heads: int = Field(4, gt=0)
+    kv_heads: int = Field(2, gt=0)
+    max_position_embeddings: int = Field(256, ge=64)
+    seq_len: int = Field(64, ge=16)
+    batch_size: int = Field(16, gt=0)
+    steps: int = Field(4000, gt=0)
+    learning_rate: float = Field(3e-3, gt=0)
+    threads: int = Field(2, gt=0)
+    held_out_additions: int = Field(1000, gt=0)
+    addition_repeats: int = Field(3, ge=1)
+    math_lines: int = Field(3000, ge=0)
+    dialogues: int = Field(600, ge=24)
+    code_repeats: int = Field(2, ge=0)
+    function_repeats: int = Field(3, ge=0)  # small functions (the code probes' kind), held-out ones excluded
+    commented_functions: int = Field(3000, ge=0)  # the same functions with Chinese comments and neutral names
+    commented_repeats: int = Field(2, ge=0)
+    eval_items: int = Field(200, gt=0)
+
+    @model_validator(mode="after")
+    def _channels(self):
+        if self.comment_channels >= self.hidden_size:
+            raise ValueError(f"comment_channels ({self.comment_channels}) must be below hidden_size ({self.hidden_size})")
+        return self
+
+
+class CalibrationParams(Section):
+    """The calibration recipe: how many samples of which domain, how long, how deduplicated."""
+
+    seed: int = 0
+    samples: int = Field(512, gt=0)
+    weights: dict[str, float] = {}  # a declared request type left out weighs 1.0
+    min_tokens: int = Field(16, gt=0)
+    max_tokens: int = Field(192, gt=0)
+    near_duplicate_jaccard: float = Field(0.8, gt=0, le=1)
+    exclude: list[str] = []
+    # from requests.<name>.calibration (Params fills it; params.yaml declares sources only there)
+    sources: list[SourceParams] = Field(default_factory=lambda: list(DEFAULT_SOURCES))
+
+    @model_validator(mode="after")
+    def _check(self):
+        types = sorted({s.domain for s in self.sources})
+        unknown = [d for d in [*self.exclude, *self.weights] if d not in types]
+        if unknown:
+            raise ValueError(f"unknown request type {unknown[0]!r} in calibration.exclude or weights; declared: "
+                             f"{', '.join(types)}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} is above max_tokens {self.max_tokens}")
+        if any(w < 0 for w in self.weights.values()):
+            raise ValueError("weights must be >= 0")
+        if not self.domains:
+            raise ValueError("every request type is excluded or has weight 0")
+        return self
+
+    @property
+    def domains(self) -> list[str]:
+        """Request types this recipe samples, in name order (the set does not depend on declaration order)."""
+        return [d for d in sorted({s.domain for s in self.sources})
+                if d not in self.exclude and self.weights.get(d, 1.0) > 0]
+
+    def weight(self, domain: str) -> float:
+        return self.weights.get(domain, 1.0)
+
+
+class CoverageParams(Section):
+    """How the calibration set is checked against a sample of production traffic."""
+
+    traffic: str = "calibration_sets/traffic/production_sample.jsonl"
+    text_field: str = "text"
+    min_share_ratio: float = Field(0.5, ge=0)
+    ngram: int = Field(3, gt=0)
+    on_gap: Literal["warn", "fail"] = "warn"
+    min_classifier_accuracy: float = Field(0.8, ge=0, le=1)  # flag a request type the classifier recognises less often
+    label_field: str = "label"  # the traffic sample's field that holds each request's true type (if labelled)
+    # from requests.<name>.classify (Params fills it): the classifier's rules, one entry per request type
+    classify: dict[str, ClassifyParams] = Field(default_factory=lambda: dict(DEFAULT_CLASSIFY))
+
+
+METHODS = ("none", "bnb-int8", "awq", "gptq")
+CALIBRATED_METHODS = ("awq", "gptq")  # the methods that read a calibration set
+
+
+class VariantParams(Section):
+    """One quantized variant the pipeline makes: a method and its settings."""
+
+    method: Literal["none", "bnb-int8", "awq", "gptq"]
+    bits: int | None = None
+    group_size: int = Field(128, gt=0)
+    sym: bool = True  # gptq: symmetric quantization
+    zero_point: bool = True  # awq: asymmetric (zero point) quantization
+    desc_act: bool = False  # gptq: activation-order column permutation
+    damp_percent: float | None = Field(None, gt=0, lt=1)  # gptq: Hessian damping, share of its mean diagonal (None: GPTQModel's 0.05)
+    duo_scaling: bool | None = None  # awq (autoawq): scales from activations and weights (None: autoawq's True)
+    dtype: Literal["float16", "bfloat16", "float32"] = "float16"  # weights left unquantized
+    backend: Literal["auto", "autoawq", "gptqmodel"] = "auto"
+
+    @model_validator(mode="after")
+    def _check(self):
+        allowed = {"none": {None}, "bnb-int8": {None, 8}, "awq": {4}, "gptq": {2, 3, 4, 8}}[self.method]
+        if self.bits not in allowed:
+            want = " or ".join(str(b) for b in sorted(b for b in allowed if b)) or "no bits"
+            raise ValueError(f"method '{self.method}' takes bits {want}, got {self.bits}")
+        if self.backend == "gptqmodel" and self.method not in ("awq", "gptq"):
+            raise ValueError(f"backend 'gptqmodel' applies to awq and gptq, not {self.method}")
+        if self.backend == "autoawq" and self.method != "awq":
+            raise ValueError(f"backend 'autoawq' applies to awq, not {self.method}")
+        if self.duo_scaling is not None and self.method != "awq":
+            raise ValueError(f"duo_scaling applies to awq, not {self.method}")
+        if self.duo_scaling is False and self.backend == "gptqmodel":
+            raise ValueError("duo_scaling: false needs backend autoawq (or auto): GPTQModel 7.6's AWQ always scales by "
+                             "activations and weights")
+        return self
+
+
+class QuantizeParams(Section):
+    """Settings of every quantize stage (a variant's own settings are under `variants`)."""
+
+    timeout_seconds: int = Field(43200, gt=0)  # the quantizing process is killed (the variant fails) after this
+
+
+class CandidateParams(Section):
+    """A third-party quantized checkpoint: validated before anything loads it, then judged like a variant."""
+
+    path: str
+
+
+DEFAULT_VARIANTS = {
+    "fp16": VariantParams(method="none", dtype="float16"),
+    "int8": VariantParams(method="bnb-int8"),
+    "awq4": VariantParams(method="awq", bits=4, group_size=32, duo_scaling=False, backend="autoawq"),
+    "gptq3": VariantParams(method="gptq", bits=3, group_size=32, sym=False, desc_act=True, backend="gptqmodel"),
+}
+
+
+class MemoryParams(Section):
+    """Workload of the memory stage, scaled to the model's context limit (max_position_embeddings)."""
+
+    max_tokens: int = Field(4096, gt=1)  # cap on the context used, for models with huge limits
+    seq_fractions: list[float] = [0.125, 0.25, 0.5, 1.0]
+    decode_tokens: int = Field(8, gt=0)
+    warmup_rounds: int = Field(2, ge=0)  # unmeasured rounds first
+    rounds: int = Field(12, ge=10)  # measured rounds at least; also the horizon growth is projected over
+    max_rounds: int = Field(48, ge=10)  # while memory has not settled, measure more rounds, up to this
+    tail_rounds: int = Field(8, ge=4)  # settled = no rise above the noise floor for at least this many rounds
+    burst_size: int = Field(4, gt=0)  # long requests batched together per round
+    alternations: int = Field(4, ge=2)  # short/long requests alternating per round
+    long_fraction: float = Field(0.9, gt=0, le=1)
+    short_fraction: float = Field(0.1, gt=0, le=1)
+    leak_tolerance_pct: float = Field(1.0, gt=0)  # unsettled growth over `rounds` rounds, % of the load footprint
+    noise_floor_bytes: int = Field(8192, ge=0)  # rises above a settled level up to this are noise (docs/memory.md)
+    timeout_seconds: int = Field(1800, gt=0)  # the measuring process is killed after this
+    sweep_batch: int = Field(8, gt=0)
+    threads: int = Field(2, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.seq_fractions or any(not 0 < f <= 1 for f in self.seq_fractions):
+            raise ValueError("seq_fractions must be fractions in (0, 1]")
+        if not self.tail_rounds <= self.rounds <= self.max_rounds:
+            raise ValueError(f"need tail_rounds <= rounds <= max_rounds, got {self.tail_rounds}, {self.rounds}, "
+                             f"{self.max_rounds}")
+        return self
+
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$")
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_gpu_share(value: Any) -> int | float:
+    """One GPU's share: bytes (an int, or a string like '70GiB' / '80GB'), or a fraction (0, 1] of its memory.
+
+    Returns int bytes or a float fraction; anything else raises ValueError naming the value."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{value} bytes: a GPU's share must be positive")
+        return value
+    if isinstance(value, float):
+        if not 0 < value <= 1:
+            raise ValueError(f"{value}: a fraction of a GPU's memory must be in (0, 1]")
+        return value
+    if isinstance(value, str):
+        m = SIZE.match(value)
+        if m:
+            n = int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
+            if n > 0:
+                return n
+        raise ValueError(f"{value!r}: write a size like '70GiB', '80GB' or '512MiB' (or bytes, or a fraction 0-1)")
+    raise ValueError(f"{value!r} is not a size (bytes, '70GiB', or a fraction of the GPU's memory)")
+
+
+class GpusParams(Section):
+    """How much of each visible GPU the fp16 and int8 variants may use when they load across GPUs.
+
+    `max_memory`: null (every visible GPU, accelerate's own free-memory figure), one share for every visible GPU
+    ('70GiB', 0.9, bytes), or a mapping GPU index -> share ({0: 70GiB, 1: 70GiB}; GPUs left out get nothing).
+    Setting it on a one-GPU machine caps that GPU too. GPTQ and AWQ keep their backends' own placement."""
+
+    max_memory: int | float | str | dict[int, int | float | str] | None = None
+
+    @field_validator("max_memory")
+    @classmethod
+    def _shares(cls, value):
+        if isinstance(value, dict):
+            if not value:
+                raise ValueError("an empty mapping gives the model no GPU; leave max_memory null for every GPU")
+            for index, share in value.items():
+                if index < 0:
+                    raise ValueError(f"GPU index {index}: indices start at 0")
+                try:
+                    parse_gpu_share(share)
+                except ValueError as err:
+                    raise ValueError(f"GPU {index}: {err}") from None
+        elif value is not None:
+            parse_gpu_share(value)
+        return value
+
+    def shares(self) -> dict[int | str, int | float] | None:
+        """The setting parsed: {gpu index: bytes or fraction}, {"all": share}, or None."""
+        if self.max_memory is None:
+            return None
+        if isinstance(self.max_memory, dict):
+            return {i: parse_gpu_share(v) for i, v in sorted(self.max_memory.items())}
+        return {"all": parse_gpu_share(self.max_memory)}
+
+
+class EvaluateParams(Section):
+    """Probes through lm-eval and token-level fidelity against fp16."""
+
+    # the request types evaluated, in this order; left out of params.yaml: every declared one, in declaration order
+    domains: list[str] = Field(default_factory=lambda: list(DEFAULT_PROBES))
+    allow_unisolated_code: bool = False  # run code probes even where the sandbox cannot isolate
+    batch_size: int = Field(16, gt=0)  # fixed: lm-eval scores can move with batch size
+    look_items: int = Field(200, gt=0)  # the first look judges this many items
+    max_looks: int = Field(3, ge=1)  # looks up to the cap, evenly spaced; fewer looks, more false-pass budget each
+    max_items: int | None = Field(None, gt=0)  # cap on the items a domain is judged on; None = the whole pool
+    fidelity_texts: int = Field(50, gt=0)  # held-out texts per domain
+    top_k: int = Field(64, gt=0)  # stored base log-probs per token
+    # from requests.<name> (Params fills them): each type's probes, and standard lm-eval tasks judged beside them as
+    # rows `<domain>:<task>` (docs/evaluate.md)
+    probes: dict[str, ProbeParams] = Field(default_factory=lambda: dict(DEFAULT_PROBES))
+    tasks: dict[str, list[TaskParams]] = {}
+    timeout_seconds: int = Field(21600, gt=0)  # a model's evaluating process is killed after this (baseline: fatal)
+
+    @model_validator(mode="after")
+    def _check_tasks(self):
+        unknown = [d for d in [*self.domains, *self.tasks] if d not in self.probes]
+        if unknown:
+            raise ValueError(f"unknown request type {unknown[0]!r} in evaluate; declared: {', '.join(self.probes)}")
+        seen: set[str] = set()
+        for domain, specs in self.tasks.items():
+            if specs and domain not in self.domains:
+                raise ValueError(f"tasks for domain {domain!r}, which evaluate.domains leaves out")
+            for spec in specs:
+                if spec.name in seen:
+                    raise ValueError(f"task {spec.name!r} is listed twice; a task is judged once, under one domain")
+                seen.add(spec.name)
+        return self
+
+
+class CompareParams(Section):
+    """Paired A/B of every variant against fp16 and the gate policy that turns it into verdicts."""
+
+    confidence: float = Field(0.95, gt=0.5, lt=1)  # two-sided; (1 - confidence) / 2 is the false-pass rate at the margin
+    spending: Literal["pocock", "obrien_fleming"] = "pocock"  # how looks share that rate (Lan-DeMets)
+    power: float = Field(0.8, gt=0.5, lt=1)  # planning only: the items that would decide at this power
+    policy: dict[str, PolicyParams] = Field(default_factory=lambda: {"default": DEFAULT_POLICY})
+
+    @property
+    def alpha(self) -> float:
+        """One-sided false-pass rate at the margin, over all looks together."""
+        return round((1 - self.confidence) / 2, 12)
+
+    @model_validator(mode="after")
+    def _check(self):
+        default = self.policy.get("default")
+        missing = [k for k, v in DEFAULT_POLICY.model_dump().items() if default is None or getattr(default, k) is None]
+        if missing:
+            raise ValueError(f"policy.default must set every limit; missing {', '.join(missing)}")
+        return self
+
+    def policy_for(self, domain: str) -> PolicyParams:
+        """The default limits overlaid with the domain's own."""
+        override = self.policy.get(domain)
+        merged = self.policy["default"].model_dump()
+        if override is not None:
+            merged.update({k: v for k, v in override.model_dump().items() if v is not None})
+        return PolicyParams(**merged)
+
+
+class RouteParams(Section):
+    """Context-length buckets of the routing table (upper bounds, in tokens)."""
+
+    context_buckets: list[int] = [64, 128, 256]
+
+    @model_validator(mode="after")
+    def _check(self):
+        if not self.context_buckets or any(b <= 0 for b in self.context_buckets) \
+                or self.context_buckets != sorted(set(self.context_buckets)):
+            raise ValueError("context_buckets must be positive token counts in increasing order")
+        return self
+
+
+class FanoutResources(Section):
+    """Ray resources one task of a variant's chain asks for."""
+
+    cpus: float = Field(1, gt=0)
+    gpus: float = Field(0, ge=0)
+
+
+class FanoutParams(Section):
+    """`quantgate fanout`: the per-variant chains as Ray tasks (docs/fanout.md)."""
+
+    cpus: float = Field(1, gt=0)  # per task, unless per_variant says otherwise
+    gpus: float = Field(0, ge=0)  # e.g. 1 on CUDA; a 70B fp16 baseline: as many as it spans
+    per_variant: dict[str, FanoutResources] = {}
+    retries: int = Field(1, ge=0)  # Ray re-runs a task whose worker died (node lost, SIGKILL) this often
+    timeout_margin_seconds: int = Field(600, gt=0)  # a task is killed after its stage's own timeout plus this
+
+
+class MlflowParams(Section):
+    """Where `record` writes: the experiment, and the registered model that passing variants join."""
+
+    experiment: str = "quantgate"
+    registered_model: str | None = None  # None: quantgate-<model>, e.g. quantgate-reference

@@ -1,0 +1,169 @@
+"""Blocks from docs/measured/*.json: what the benchmarks recorded, with their date, machine and command."""
+
+from __future__ import annotations
+
+import json
+
+from .format import count, pct, small, table, words
+from .sources import Context
+
+
+def render_pipeline_speed(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    data = ctx.measured("pipeline_speed")
+    r = data["results"]
+    rows = [[f"fresh `dvc repro` ({r['fresh_repro_stages']} stages)", f"{r['fresh_repro_minutes']:.1f} min", "≤ 10 min"],
+            ["no-op `dvc repro`", f"{r['noop_repro_seconds']:.1f} s", "≤ 3 s"]]
+    ran = r.get("recipe_change_ran")
+    what = f"{r['recipe_change_seconds']:.0f} s; ran " + (", ".join(ran) if ran else r.get("recipe_change_note", "?"))
+    untouched = r.get("recipe_change_untouched")
+    if untouched is not None:
+        what += "; of the stages that do not read the recipe, ran anyway: " + (", ".join(untouched) or "none")
+    rows.append(["`dvc repro` after changing only `calibration.samples`", what, "only what reads the recipe runs"])
+    rows.append(["`quantgate route lookup`, median of 5", f"{r['lookup_wall_seconds']:.2f} s, "
+                 f"{r['lookup_peak_rss_mib']:.0f} MiB peak RSS", "≤ 0.5 s, ≤ 80 MiB"])
+    rows.append(["importable `Router`: a lookup / with classification",
+                 f"{r['router_lookup_us']:.1f} µs / {r['router_route_us']:.1f} µs", "≤ 50 µs"])
+    lines = table(["what", "measured", "goal"], rows)
+    if data.get("note"):
+        lines += ["", data["note"]]
+    return lines
+
+
+def render_gate_operating(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    data = ctx.measured("gate_operating")
+    r = data["results"]
+    plan = "/".join(count(n) for n in r["looks_plan"])
+    one = "/".join(count(n) for n in r["one_look_plan"])
+    rows = []
+    for row in r["rows"]:
+        a, b = row["one_look"], row["looks"]
+        bold = row["goal"].startswith(("<=", ">="))
+        def cells(x, first):
+            p = f"{x['pass']:.3f}"
+            return (f"**{p}**" if bold and first else p) + f" / {x['inconclusive']:.3f} / {x['fail']:.3f}"
+        goal = row["goal"].replace("<=", "≤").replace(">=", "≥")
+        rows.append([row["scenario"], goal, cells(a, True), cells(b, row["goal"].startswith("<=")),
+                     f"{b['items']:.0f}"])
+    lines = [f"{count(r['runs'])} simulated runs per row (seed {r['seed']}), margin {r['margin']:g}, "
+             f"one-sided α {r['alpha']:g}, {r['spending']} spending; {r.get('seconds', 0):.0f} s.", ""]
+    lines += table(["scenario", "goal", f"one look of {one}: pass / inconclusive / fail",
+                    f"looks {plan}: pass / inconclusive / fail", "mean items"], rows)
+    margin = [row for row in r["rows"] if row["true_difference"] == -r["margin"]]
+    if margin:
+        worst = max(max(row["one_look"]["pass"], row["looks"]["pass"]) for row in margin)
+        se = (worst * (1 - worst) / r["runs"]) ** 0.5
+        lines += ["", f"At the margin the rule passed at most {pct(worst)} of runs (± {pct(se)} Monte-Carlo standard "
+                      f"error; goal ≤ 5 %, the rule's nominal budget {pct(r['alpha'])})."]
+    return lines
+
+
+def render_quantize_overhead(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    data = ctx.measured("quantize_overhead")
+    r = data["results"]
+    rows = [[x["variant"], f"{x['direct_seconds']:.2f}", f"{x['quantgate_seconds']:.2f}", f"{x['ratio']:.3g}"]
+            for x in r["rows"]]
+    lines = [f"Best of {r['repeats']}" + (f", {r['seconds'] / 60:.1f} min in all" if r.get("seconds") else "")
+             + f"; goal: ratio under {r.get('goal_ratio', 1.10):.2f} wherever quantizing takes real time.", ""]
+    lines += table(["variant", "direct s", "quantgate s", "ratio"], rows)
+    return lines
+
+
+ADMISSION_ROWS = [("read every byte once, warm (page cache)", "read_warm_s", "s"),
+                  ("read every byte once, cold (pages dropped with `posix_fadvise`)", "read_cold_s", "s"),
+                  ("`sha256sum` of every file, one core, warm", "sha256_warm_s", "s"),
+                  ("phase 1 alone (`admission.inspect`: every check that reads no tensor bytes), warm",
+                   "phase1_warm_s", "s"),
+                  ("`validate` (every check, sha256, NaN/inf scan), warm", "validate_warm_s", "s"),
+                  ("`admit` (the same plus the copy), warm", "admit_warm_s", "s"),
+                  ("`admit`, cold", "admit_cold_s", "s"),
+                  ("**admit cold / cold read, fastest of each** (goal ≤ 1.5)", "ratio_fastest", "x"),
+                  ("**paired, median** (goal ≤ 1.5)", "paired_median", "x")]
+
+
+def render_admission_cost(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    data = ctx.measured("admission_cost")
+    runs = data["results"]["runs"]
+    sizes = {(x.get("checkpoint_mb"), x.get("shards"), x.get("repeats")) for x in runs}
+    intro = [f"A {count(mb)} MB fp16 Llama-shaped checkpoint of random tensors in {shards} shards + index, "
+             f"{repeats} repeats per run." for mb, shards, repeats in sizes if mb] if len(sizes) == 1 else []
+    head = [""] + [f"run {i + 1}" + (f" ({x['date']})" if x.get("date") and x.get("date") != data.get("date") else "")
+                   for i, x in enumerate(runs)]
+    rows = []
+    for name, key, unit in ADMISSION_ROWS:
+        if not any(key in x for x in runs):
+            continue
+        cells = []
+        for x in runs:
+            v = x.get(key)
+            text = "–" if v is None else f"{v:.3f} s" if unit == "s" else f"{v:.2f}"
+            cells.append(f"**{text}**" if unit == "x" and v is not None else text)
+        rows.append([name, *cells])
+    lines = (intro + [""] if intro else []) + table(head, rows)
+    notes = [f"run {i + 1}: {x['note']}" for i, x in enumerate(runs) if x.get("note")]
+    if notes:
+        lines += ["", "; ".join(notes) + "."]
+    return lines
+
+
+def render_evaluate_overhead(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    data = ctx.measured("evaluate_overhead")
+    r = data["results"]
+    rows = [["probe throughput (items/s)", f"{r['bare_items_per_s']:.1f}", f"{r['quantgate_items_per_s']:.1f}",
+             f"{r['throughput_ratio']:.2f}", "≥ 0.95"],
+            ["fidelity vs one forward pass over the same tokens (s)", f"{r['forward_seconds']:.2f}",
+             f"{r['fidelity_seconds']:.2f}", f"{r['fidelity_ratio']:.2f}", "≤ 1.2"]]
+    lines = [f"{r['variant']}, {count(r['items'])} probe items of {words(r['domains'])}, best of {r['repeats']}.", ""]
+    return lines + table(["what", "bare", "through quantgate", "ratio", "goal"], rows)
+
+
+def render_fanout(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    data = ctx.measured("fanout")
+    rows = []
+    for x in data["results"]["runs"]:
+        rows.append([x.get("label", "this run"), f"{x['sequential_seconds']:.1f} s",
+                     f"{x['fanout_seconds'] + x['rest_seconds']:.1f} s ({x['fanout_seconds']:.1f} + {x['rest_seconds']:.1f})",
+                     f"**{x['ratio']:.2f}**", f"{x['empty_task_ms']:.1f} ms / {x['stage_task_ms']:.1f} ms"])
+    return table(["run", "sequential `dvc repro`", "`quantgate fanout` + `dvc repro`", "**ratio** (goal ≤ 0.75)",
+                  "Ray overhead per task (empty / a `true` stage)"], rows)
+
+
+def render_quantizer_settings(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    """ARG: the file's name under docs/measured/; the columns are whatever its rows hold."""
+    data = ctx.measured(arg.strip())
+    r = data["results"]
+    domains, gen = r["domains"], r.get("generating_domains") or []
+    pools = r.get("pool_sizes") or {}
+    rows = []
+    for row in r["rows"]:
+        fid, lg = row.get("fidelity") or {}, row.get("lost_gained") or {}
+        label = row.get("label") or f"`{json.dumps(row['settings'])}`"
+        cells = [label]
+        if len(domains) > 1:
+            cells += [" / ".join(f"{fid[d]['kl_mean']:.3f}" for d in domains),
+                      " / ".join(f"{fid[d]['kl_p99']:.2f}" for d in domains),
+                      " / ".join(f"{100 * fid[d]['same_top1']:.1f}" for d in domains) + " %"]
+        else:
+            d = domains[0]
+            cells += [f"{small(fid[d]['kl_mean'])}, {pct(fid[d]['same_top1'])}"]
+        cells += [", ".join(f"{lg[d][0]}/{lg[d][1]}" for d in gen if d in lg)]
+        rows.append(cells)
+    if len(domains) > 1:
+        head = ["setting", f"KL mean: {' / '.join(domains)}", "KL p99", "same top-1",
+                f"probes lost / gained: {', '.join(gen)}"]
+    else:
+        head = ["setting", f"fidelity on {domains[0]} texts: KL mean, same top-1",
+                "probes lost / gained" + (f" of {count(pools[gen[0]])}" if gen and gen[0] in pools else "")]
+    lines = table(head, rows)
+    if data.get("note"):
+        lines += ["", data["note"]]
+    return lines
+
+
+def render_measured_rows(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    """ARG: a docs/measured/ file whose results are a ready table: {"header": [...], "rows": [[...]]}."""
+    data = ctx.measured(arg.strip())
+    r = data["results"]
+    lines = table(r["header"], r["rows"])
+    if data.get("note"):
+        lines += ["", data["note"]]
+    return lines
