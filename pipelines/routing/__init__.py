@@ -1,0 +1,1 @@
+"""Serving: the routing table at request time, light enough to run in front of every request (no torch)."""

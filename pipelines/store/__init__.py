@@ -1,0 +1,1 @@
+"""The MLflow store: where it is, the client and recording lease, what runs show, the model registry and promotion."""
