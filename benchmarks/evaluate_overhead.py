@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/evaluate_overhead.py [--variant gptq3] [--repeats 2]
 
 Needs `dvc repro` up to the evaluate stage (a built variant and results/eval/fidelity_base.safetensors).
-Prints: items/s through `evaluate.run_probes` vs a bare `lm_eval.simple_evaluate` on the same tasks,
+Prints: items/s through `evaluation.harness.run_probes` vs a bare `lm_eval.simple_evaluate` on the same tasks,
 model object and batch size (goal: ratio >= 0.95), and seconds of `fidelity.compare` vs one plain
 forward pass over the same token sequences (goal: <= 1.2x). Best of `repeats`, alternating. Writes the numbers to
 docs/measured/evaluate_overhead.json (docs/evaluate.md renders them; --no-record: print only).
@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks import measured  # noqa: E402
-from pipelines import evaluate, logs  # noqa: E402
-from pipelines.evaluation import fidelity
-from pipelines.models.loading import load_variant  # noqa: E402
+from pipelines.core import logs  # noqa: E402
 from pipelines.core.params_requests import DEFAULT_PROBES as PROBES  # noqa: E402
+from pipelines.evaluation import fidelity, harness, plans  # noqa: E402
+from pipelines.models.loading import load_variant  # noqa: E402
 
 DOMAINS = ["math", "chat", "code_comment"]  # code probes add sandbox time that bare lm-eval would not have
 
@@ -67,7 +67,7 @@ def main() -> None:
         items = bare_lm_eval(model, tok, args.batch_size)
         best["bare"] = min(best["bare"], time.perf_counter() - t)
         t = time.perf_counter()
-        evaluate.run_probes(model, tok, {d: list(range(len(evaluate.probe_items(d)))) for d in DOMAINS}, args.batch_size,
+        harness.run_probes(model, tok, {d: list(range(len(plans.probe_items(d)))) for d in DOMAINS}, args.batch_size,
                             probes={d: PROBES[d].model_dump() for d in DOMAINS})
         best["quantgate"] = min(best["quantgate"], time.perf_counter() - t)
         t = time.perf_counter()

@@ -30,9 +30,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import measured  # noqa: E402
+from pipelines.core.params_requests import PolicyParams  # noqa: E402
 from pipelines.judging import sequential  # noqa: E402
 from pipelines.judging.verdict import judge  # noqa: E402
-from pipelines.core.params_requests import PolicyParams  # noqa: E402
 
 MARGIN = 0.05
 POLICY = PolicyParams(max_accuracy_drop=MARGIN, max_flip_rate=1.0, kl_percentile="p99", max_kl=1.0,

@@ -20,9 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import measured  # noqa: E402
-from pipelines import logs  # noqa: E402
-from pipelines.models.loading import dtype_of, resolve_model  # noqa: E402
+from pipelines.core import logs  # noqa: E402
 from pipelines.core.params import load_params  # noqa: E402
+from pipelines.models.loading import dtype_of, resolve_model  # noqa: E402
 from pipelines.quantize import calibration_texts, quantize_variant  # noqa: E402
 
 BUILT = Path("calibration_sets/built")

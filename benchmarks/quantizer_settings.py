@@ -27,8 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,14 +37,15 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from benchmarks import measured  # noqa: E402
-from pipelines.evaluation import fidelity
-from pipelines import logs  # noqa: E402
-from pipelines.evaluate import full_text, probe_items  # noqa: E402
-from pipelines.models.loading import load_variant, resolve_device, resolve_model  # noqa: E402
+from pipelines.core import logs  # noqa: E402
 from pipelines.core.params import load_params  # noqa: E402
 from pipelines.core.params_sections import VariantParams  # noqa: E402
-from pipelines.quantize import quantize_variant  # noqa: E402
+from pipelines.evaluation import fidelity
+from pipelines.evaluation.harness import full_text  # noqa: E402
+from pipelines.evaluation.plans import probe_items  # noqa: E402
+from pipelines.models.loading import load_variant, resolve_device, resolve_model  # noqa: E402
 from pipelines.models.skills import greedy_completions  # noqa: E402
+from pipelines.quantize import quantize_variant  # noqa: E402
 
 BUILT = Path("calibration_sets/built")
 FP16 = Path("models/variants/fp16")

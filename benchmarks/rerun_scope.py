@@ -4,7 +4,8 @@ Old layout: the stages whose dvc.yaml deps (at that commit) include a file the c
 each changed hunk of a pipelines/ file is mapped to the function or class it touched, that name to the module that
 holds it now, and the module to the stages whose code it is (core/lineage.stage_code); a hunk outside any function
 (imports, constants) counts for every module that now holds a name of the old file. Data and params.yaml changes
-count the same under both (the stages whose deps or params name them). Stage instances are counted (quantize@int8
+count the same under both (the stages whose deps or params name them); the outputs a commit carries
+(dvc.lock, results/, models/) are what a run wrote, not what made it run, and are left out. Stage instances are counted (quantize@int8
 is one), out of the instances dvc.lock holds.
 
     python benchmarks/rerun_scope.py [--commits 10] [--until 5e070b4]
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
+import functools
 import re
 import subprocess
 import sys
@@ -61,6 +64,14 @@ def definitions_now() -> dict[str, set[str]]:
     return found
 
 
+@functools.cache
+def source_now(path: str, name: str) -> str:
+    """The source of top-level `name` in `path` today."""
+    source = (ROOT / path).read_text(encoding="utf-8")
+    return next((ast.get_source_segment(source, n) or "" for n in ast.parse(source).body
+                 if getattr(n, "name", None) == name), "")
+
+
 def touched_names(commit: str, path: str) -> tuple[set[str], bool]:
     """Top-level names whose lines the commit changed in `path` (new side), and whether a hunk fell outside them."""
     try:
@@ -80,6 +91,17 @@ def touched_names(commit: str, path: str) -> tuple[set[str], bool]:
         names |= hit
         outside |= not hit
     return names, outside
+
+
+def outputs(dvc_yaml: dict) -> list[str]:
+    """Every path a stage writes (a commit that carries a run's outputs did not cause that run)."""
+    found = []
+    for stage in dvc_yaml["stages"].values():
+        body = stage.get("do", stage)
+        for kind in ("outs", "metrics", "plots"):
+            for out in body.get(kind, []):
+                found.append(str(next(iter(out)) if isinstance(out, dict) else out).split("${")[0])
+    return found
 
 
 def changed_params(commit: str) -> set[str]:
@@ -105,9 +127,11 @@ def main() -> int:
     homes = definitions_now()
     print(f"{'commit':8}  {'old layout':>10}  {'new layout':>10}  subject   (stage instances out of {total})")
     for commit in git("rev-list", f"--max-count={args.commits}", args.until).split():
-        files = [f for f in git("diff", "--name-only", f"{commit}^", commit).split() if f]
-        params = changed_params(commit) if "params.yaml" in files else set()
         old_yaml = yaml.safe_load(git("show", f"{commit}:dvc.yaml"))
+        written = outputs(old_yaml) + outputs(now_yaml)
+        files = [f for f in git("diff", "--name-only", f"{commit}^", commit).split()
+                 if f and f != "dvc.lock" and not any(f == o or f.startswith(o.rstrip("/") + "/") for o in written)]
+        params = changed_params(commit) if "params.yaml" in files else set()
         old = set()
         for name, (deps, keys, _) in deps_of(old_yaml).items():
             if any(f == d or f.startswith(d.rstrip("/") + "/") for f in files for d in deps) or params & set(keys):
@@ -115,15 +139,25 @@ def main() -> int:
         modules: set[str] = set()
         for f in (f for f in files if f.startswith("pipelines/") and f.endswith(".py")):
             names, outside = touched_names(commit, f)
+            try:
+                old_source = git("show", f"{commit}:{f}")
+            except subprocess.CalledProcessError:
+                old_source = ""
+            old_defs = {n.name: ast.get_source_segment(old_source, n) or "" for n in ast.parse(old_source).body
+                        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+            old_names = set(old_defs)
+
+            def home_of(name: str) -> set[str]:
+                """Where `name` of this file lives now; of two same-named functions, the one whose code is closest."""
+                found = homes.get(name, set())
+                if len(found) < 2 or name not in old_defs:
+                    return found
+                return {max(found, key=lambda h: difflib.SequenceMatcher(None, old_defs[name], source_now(h, name)).ratio())}
+
             for name in names:
-                modules |= homes.get(name, set())
+                modules |= home_of(name)
             if outside or any(name not in homes for name in names):  # imports, constants, a name since removed
-                try:
-                    old_names = {n.name for n in ast.parse(git("show", f"{commit}:{f}")).body
-                                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-                except subprocess.CalledProcessError:
-                    old_names = set()
-                modules |= {home for n in old_names for home in homes.get(n, set())}
+                modules |= {home for n in old_names for home in home_of(n)}
         new = set()
         for name, (deps, keys, _) in now_stages.items():
             data = [d for d in deps if not d.startswith("pipelines/")]

@@ -6,7 +6,7 @@ plan, a missing baseline or a failed upstream stage all give `fail` (the gate th
 baseline apart as "could not decide"). The accuracy rule is non-inferiority (pipelines/judging/sequential.py):
 `pass` when the interval's low end is at or above -margin, `fail` when the point estimate is below
 -margin, `inconclusive` only when the interval straddles -margin after the last look. `inconclusive` never routes and never releases.
-`judge` is the one function that turns numbers into a verdict; `gate` calls it again to re-derive.
+`judging.verdict.judge` is the one function that turns numbers into a verdict; the gate re-derives with the same rules.
 A standard lm-eval task (`requests.<name>.tasks`) is its own row `<domain>:<task>` beside the domain's row, judged
 the same way under the domain's policy; `judge` also takes the domain's task-row verdicts, so the domain's
 row is the worst of its own and its task rows' (a failing task row fails it, an inconclusive one leaves it
@@ -16,7 +16,8 @@ every row.
 
 from __future__ import annotations
 
-from pipelines.core.paths import COMPARE_REPORT as REPORT, SUMMARY
+from pipelines.core.paths import COMPARE_REPORT as REPORT
+from pipelines.core.paths import SUMMARY
 from pipelines.evaluation.plans import probe_plans
 from pipelines.judging.comparison import compare_all, flat_rows, summary
 from pipelines.judging.plots import plot_all

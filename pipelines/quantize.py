@@ -26,9 +26,9 @@ from pipelines.checkpoints.manifest import disk_bytes, library_versions
 from pipelines.core.errors import QuantgateError, environment_cause
 from pipelines.core.io import atomic_dir, sha256_file, write_json
 from pipelines.core.logs import library_output
-from pipelines.models.loading import ModelSource, device_map_for, dtype_of, gpu_budget
 from pipelines.core.params_sections import CALIBRATED_METHODS, VariantParams
 from pipelines.core.paths import BUILT_DIR, MANIFEST, METHOD_DIR, QUANTIZE_RESULTS, VARIANTS_DIR
+from pipelines.models.loading import ModelSource, device_map_for, dtype_of, gpu_budget
 
 log = logging.getLogger(__name__)
 

@@ -24,17 +24,16 @@ from mlflow import MlflowClient
 from pipelines.core.errors import QuantgateError
 from pipelines.core.io import read_json, read_jsonl, sha256_file
 from pipelines.core.params import DERIVED_FROM_REQUESTS, Params
-from pipelines.core.paths import (BASELINE, BUILT_DIR, MLARTIFACTS, COMPARE_REPORT, COMPARE_TABLE, COVERAGE_DIR, EVAL_DIR,
-                                   EVAL_RESULTS, MANIFEST, MEMORY_RESULTS, MEMORY_SUMMARY, PARAMS_FILE, PLOTS_DIR,
-                                   QUANTIZE_RESULTS, RESULTS, ROUTING_TABLE, VARIANTS_DIR)
+from pipelines.core.paths import (BASELINE, BUILT_DIR, COMPARE_REPORT, COMPARE_TABLE, COVERAGE_DIR, DVC_LOCK, EVAL_DIR,
+                                  EVAL_RESULTS, MANIFEST, MEMORY_RESULTS, MEMORY_SUMMARY, MLARTIFACTS, PARAMS_FILE,
+                                  PLOTS_DIR, QUANTIZE_RESULTS, RESULTS, ROUTING_TABLE, VARIANTS_DIR)
 from pipelines.judging.comparison import flat_rows
 from pipelines.store.client import experiment_id, recording_lock, served, using_store
 from pipelines.store.layout import (FORMAT_TAG, KIND_TAG, RECORD_FORMAT, RUN_TYPE_EVALUATION, RUN_TYPE_TAG,
                                     checkpoint_sha256, child_description, child_metrics, child_params, child_run_name,
                                     classifier_metrics, flatten, parent_metrics, parent_verdict_tags, routing_rows,
                                     write_verdict_view)
-from pipelines.store.registry import (DIGEST_TAG, delete_versions, log_checkpoint, reconcile_candidate,
-                                      register_passing)
+from pipelines.store.registry import DIGEST_TAG, delete_versions, log_checkpoint, reconcile_candidate, register_passing
 
 COMPLETE_TAG = "quantgate.complete"  # set on the parent run once every child is logged and every version registered
 
@@ -134,7 +133,7 @@ def _record_locked(client: MlflowClient, params: Params, digest: str, commit: di
         _dataset_inputs([(f"probes-{d}", root / EVAL_DIR / d / "items.jsonl") for d in report["domains"]], "evaluation")
         _log_files([root / COMPARE_REPORT, root / COMPARE_TABLE, root / ROUTING_TABLE,
                     root / RESULTS / "routing_table.yaml", root / MEMORY_SUMMARY,
-                    coverage / "coverage.json", classifier, root / "dvc.lock", root / PARAMS_FILE], "results")
+                    coverage / "coverage.json", classifier, root / DVC_LOCK, root / PARAMS_FILE], "results")
         _log_files(sorted((root / PLOTS_DIR).glob("*.png")), "plots")
         _log_files([coverage / "coverage.png", coverage / "classifier_confusion.png"], "plots")
         if classifier.is_file():

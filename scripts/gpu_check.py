@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_wheels.py beside
 import gpu_wheels as wheels  # noqa: E402
 from gpu_wheels import NOT_BROUGHT, ROOT, SetupError  # noqa: E402
 
-
 # The variants beyond fp16 and int8: tried only where every module they need imports (calibrate needs datasets and
 # matplotlib, the quantizer its library).
 OPTIONAL_VARIANTS = {

@@ -15,10 +15,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.text import probes
-from pipelines.text import synthetic  # noqa: E402
-from pipelines.text.code_comments import bare_functions  # noqa: E402
 from pipelines.core.io import write_jsonl  # noqa: E402
+from pipelines.text import (
+    probes,
+    synthetic,  # noqa: E402
+)
+from pipelines.text.code_comments import bare_functions  # noqa: E402
 from pipelines.text.corpus import code_samples  # noqa: E402
 
 DIALOGUES = Path("calibration_sets/sources/chat/dialogues.jsonl")

@@ -64,10 +64,10 @@ def tiny_calibration(tmp_path_factory, tiny_model) -> Path:
 @pytest.fixture(scope="session")
 def tiny_variants(tmp_path_factory, tiny_model, tiny_calibration) -> dict[str, Path]:
     """The four default variants of the tiny model, made by the quantize stage's code."""
-    from pipelines.core import logs
     from pipelines import quantize
-    from pipelines.models.loading import ModelSource
+    from pipelines.core import logs
     from pipelines.core.params_sections import DEFAULT_VARIANTS
+    from pipelines.models.loading import ModelSource
 
     logs.setup(log_file=tmp_path_factory.mktemp("logs") / "quantgate.log")
     root = tmp_path_factory.mktemp("variants")

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from pipelines import calibrate
-from pipelines.text import coverage
-from pipelines.text.classify import AMBIGUOUS, UNKNOWN, Classifier
-from pipelines.text.code_comments import bare_functions, extract
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params import Params
 from pipelines.core.params_requests import SourceParams
 from pipelines.core.params_sections import CalibrationParams, CoverageParams
+from pipelines.text import coverage
+from pipelines.text.classify import AMBIGUOUS, UNKNOWN, Classifier
+from pipelines.text.code_comments import bare_functions, extract
 from pipelines.text.pii import mask
 
 SMALL = {"samples": 64}
@@ -342,8 +342,8 @@ def test_run_writes_the_classifier_report_and_flags_a_type_it_misses(tmp_path, t
 
 @pytest.mark.parametrize("on_gap", ["warn", "fail"])
 def test_on_gap_applies_to_a_flagged_classifier(monkeypatch, caplog, on_gap):
-    from pipelines.models import loading as models
     from pipelines.core import params as params_module
+    from pipelines.models import loading as models
 
     texts, labels = zip(*LABELLED)
     measured = coverage.classifier_report(list(texts), list(labels), fruit(0.6))

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from pipelines.judging import comparison, sequential, stats
-from pipelines.judging.verdict import judge, worst
 from pipelines.core.io import read_jsonl, write_jsonl
 from pipelines.core.params_requests import PolicyParams
 from pipelines.core.params_sections import CompareParams
+from pipelines.judging import comparison, sequential, stats
+from pipelines.judging.verdict import judge, worst
 from tests.handmade import correctness, memory_row, plans, write_eval_items, write_memory, write_model
 
 N = 400
@@ -300,6 +300,8 @@ def test_an_undecided_look_continues_and_the_next_decides(tmp_path):
     (["pass"], "failed", "undecided"),  # no baseline: could not decide, whatever the rows say
     (["fail"], "failed", "undecided"),
     ([], "failed", "undecided"),
+    (["pass", None], "ok", "undecided"),  # a verdict no rule gives (a hand edit): never a pass
+    (["pass", "PASS"], "ok", "undecided"),
 ])
 def test_the_summarys_gate_is_the_verdict_modules_worst_of(verdicts, baseline, gate):
     """summary.json's `gate` is judging/verdict.py's worst-of over the variants' verdicts, not a rule of its own."""

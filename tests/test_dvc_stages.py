@@ -35,7 +35,8 @@ def test_each_stage_depends_on_exactly_the_modules_its_command_imports():
 def test_stage_code_follows_imports_inside_functions_and_leaves_other_stages_out():
     compare = lineage.stage_code("compare")
     assert "pipelines/judging/stats.py" in compare  # compare -> judging.comparison -> stats
-    assert "pipelines/judging/plots.py" in compare  # imported inside compare's own module
+    assert "pipelines/judging/plots.py" in compare  # imported by compare's own module
+    assert "pipelines/core/lineage.py" in lineage.stage_code("route")  # imported only inside route.main
     assert "pipelines/core/__init__.py" in compare and "pipelines/judging/__init__.py" in compare  # packages run too
     assert "pipelines/quantize.py" not in compare and "pipelines/record.py" not in compare
     assert "pipelines/compare.py" not in lineage.stage_code("quantize")

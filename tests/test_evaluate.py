@@ -6,12 +6,11 @@ import os
 
 import pytest
 
-from pipelines.evaluation import harness
 from pipelines.core import sandbox
-from pipelines.evaluation import plans
+from pipelines.core.params_sections import CompareParams, EvaluateParams
+from pipelines.evaluation import harness, plans
 from pipelines.evaluation.plans import by_id, correctness, probe_plans
 from pipelines.judging import sequential
-from pipelines.core.params_sections import CompareParams, EvaluateParams
 
 P = EvaluateParams(look_items=4, max_items=8, batch_size=8, fidelity_texts=4)
 DOMAINS = list(P.probes)

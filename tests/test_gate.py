@@ -451,8 +451,8 @@ def test_a_frozen_stage_cannot_be_vouched_for(repo):
 
 def test_results_without_a_dvc_lock_cannot_pass():
     """No dvc.lock, so no record of what made compare.json: undecided, and the reason says so."""
-    from pipelines.gate import decide
     from pipelines.core.params import Params
+    from pipelines.gate import decide
 
     result = decide({"variants": {}}, {"variants": {}}, Params(), [], None)
     assert result["verdict"] == "undecided"
@@ -460,8 +460,8 @@ def test_results_without_a_dvc_lock_cannot_pass():
 
 
 def test_the_rerun_names_the_stages_that_changed_after_the_comparison():
-    from pipelines.gate import rerun_command
     from pipelines.core.lineage import digest_of_stages
+    from pipelines.gate import rerun_command
 
     judged = {"reference": "a", "evaluate@int8": "b", "evaluate@awq4": "c"}
     now = {"reference": "a", "evaluate@int8": "B", "evaluate@awq4": "C", "evaluate@gptq3": "d"}

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
-import time
-
 from pipelines import memory
-from pipelines.measure import growth, phases, plots, probes, verdict
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params_sections import MemoryParams
+from pipelines.measure import growth, phases, plots, probes, verdict
 
 FAST = MemoryParams(seq_fractions=[0.25, 0.5, 1.0], warmup_rounds=1, rounds=10, max_rounds=24, tail_rounds=6,
                     alternations=2, burst_size=2)

@@ -13,10 +13,10 @@ from accelerate import init_empty_weights
 from accelerate.utils import compute_module_sizes
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from pipelines.models import loading as models
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params import load_params
 from pipelines.core.params_sections import GpusParams
+from pipelines.models import loading as models
 
 GiB = 2**30
 CONFIG = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
@@ -201,8 +201,8 @@ def test_load_variant_refuses_an_impossible_budget_before_loading(variant, fake_
 
 def test_int8_quantize_loads_the_base_model_across_gpus(fake_gpus, tmp_path):
     from pipelines import quantize
-    from pipelines.models.loading import ModelSource
     from pipelines.core.params_sections import VariantParams
+    from pipelines.models.loading import ModelSource
 
     calls = fake_gpus(2)
     job = quantize.Job(ModelSource("local", str(tmp_path)), VariantParams(method="bnb-int8"), [], "cuda", 8,

@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from pipelines.core.errors import QuantgateError
-from pipelines.models.loading import resolve_model
 from pipelines.core.params import load_params
 from pipelines.core.params_sections import DEFAULT_VARIANTS
+from pipelines.models.loading import resolve_model
 
 
 def write(tmp_path, text: str):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pipelines import quantize
-from pipelines.models.loading import ModelSource, VariantFailed, load_variant
 from pipelines.core.params_sections import VariantParams
+from pipelines.models.loading import ModelSource, VariantFailed, load_variant
 
 PROMPT = "47+38=85\nCustomer: I want a refund for order 12345.\nAgent: I am sorry"
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from pipelines.evaluate import full_text, probe_items
 from pipelines.core.params import load_params
+from pipelines.evaluation.harness import full_text
+from pipelines.evaluation.plans import probe_items
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "quantizer_settings.py"
 

@@ -7,15 +7,15 @@ import json
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
-
 import yaml
+from mlflow import MlflowClient
 
 from pipelines import cli, record
 from pipelines.core import lineage
 from pipelines.core.io import read_json, sha256_file, write_json
 from pipelines.core.params import load_params
-from pipelines.store import client as store_client, layout, registry
+from pipelines.store import client as store_client
+from pipelines.store import layout, registry
 from tests.handmade import correctness, rerun_compare, write_pipeline
 
 N = 400

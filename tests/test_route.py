@@ -9,11 +9,11 @@ import yaml
 
 from pipelines import cli, route
 from pipelines.core import lineage
-from pipelines.judging import comparison
-from pipelines.routing.router import Router
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params_requests import PolicyParams
 from pipelines.core.params_sections import CompareParams, CoverageParams
+from pipelines.judging import comparison
+from pipelines.routing.router import Router
 from tests.handmade import FOOTPRINT, correctness, memory_row, plans, write_eval_items, write_memory, write_model
 
 N = 400

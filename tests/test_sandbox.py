@@ -10,7 +10,6 @@ import os
 import socket
 import threading
 import time
-
 import uuid
 from pathlib import Path
 

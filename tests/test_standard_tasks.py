@@ -17,15 +17,15 @@ import pytest
 
 from pipelines import quantize
 from pipelines.core import sandbox
+from pipelines.core.errors import QuantgateError
+from pipelines.core.io import read_json, write_json, write_jsonl
+from pipelines.core.params import Params
+from pipelines.core.params_sections import DEFAULT_VARIANTS, CompareParams, EvaluateParams
 from pipelines.evaluation import harness, standard_tasks
 from pipelines.evaluation.plans import by_id, correctness, probe_plans
 from pipelines.judging import comparison
 from pipelines.judging.verdict import pairing_problems
-from pipelines.core.errors import QuantgateError
-from pipelines.core.io import read_json, write_json, write_jsonl
 from pipelines.models.loading import ModelSource
-from pipelines.core.params import Params
-from pipelines.core.params_sections import DEFAULT_VARIANTS, CompareParams, EvaluateParams
 from tests import handmade
 
 # (question, worked answer, final number): the shape of openai/gsm8k's rows

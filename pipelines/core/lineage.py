@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from pipelines.core.paths import DVC_LOCK
+
 JUDGING_STAGES = ("compare", "route", "record")  # stages that read the pipeline's results, not make them
 RECORDING_STAGES = ("record",)  # the stage that writes results elsewhere (MLflow)
 
@@ -32,7 +34,7 @@ def _sha256(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def stage_digests(lock_path: Path = Path("dvc.lock"), exclude: tuple[str, ...] = JUDGING_STAGES) -> dict[str, str] | None:
+def stage_digests(lock_path: Path = DVC_LOCK, exclude: tuple[str, ...] = JUDGING_STAGES) -> dict[str, str] | None:
     """sha256 of each dvc.lock entry of the stages that produced the results, in dvc.lock's order (which stages
     changed after a comparison was made); None without a dvc.lock."""
     stages = _locked_entries(lock_path, exclude)
@@ -45,13 +47,13 @@ def digest_of_stages(digests: dict[str, str]) -> str:
     return _sha256(digests)
 
 
-def lock_digest(lock_path: Path = Path("dvc.lock"), exclude: tuple[str, ...] = JUDGING_STAGES) -> str | None:
+def lock_digest(lock_path: Path = DVC_LOCK, exclude: tuple[str, ...] = JUDGING_STAGES) -> str | None:
     """sha256 of dvc.lock's entries for the stages that produced the results; None without a dvc.lock."""
     digests = stage_digests(lock_path, exclude)
     return None if digests is None else digest_of_stages(digests)
 
 
-def results_digest(lock_path: Path = Path("dvc.lock")) -> str | None:
+def results_digest(lock_path: Path = DVC_LOCK) -> str | None:
     """sha256 of every dvc.lock entry but record's: the identity of one pipeline result, verdicts included.
 
     Anything that can change a verdict (params, code, data, any stage's output, compare's policy) changes
@@ -88,7 +90,7 @@ def workspace_changes(root: Path = Path(".")) -> list[str]:
     lines += [f"{s.addressing}: wdir is {os.path.relpath(s.wdir, repo_root)!r}, not the repository root: refused"
               for s in stages
               if Path(s.wdir).resolve() != repo_root.resolve()]
-    lines += _declared_against_locked(stages, Path(root) / "dvc.lock")
+    lines += _declared_against_locked(stages, Path(root) / DVC_LOCK)
     for stage, changes in status.items():
         if not changes or all(not change for change in changes):
             lines.append(f"{stage}: changed")

@@ -16,6 +16,7 @@ import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+
 from pipelines.core.paths import LOG_FILE
 
 current_log_file = LOG_FILE  # where setup() sent the log; child processes log to the same file

@@ -12,6 +12,8 @@ BASELINE = "fp16"  # the variant every other is judged against
 MANIFEST = "quantgate.json"  # a variant folder's manifest: how it was made or admitted, and its status
 
 PARAMS_FILE = Path("params.yaml")
+DVC_YAML = Path("dvc.yaml")
+DVC_LOCK = Path("dvc.lock")
 LOG_FILE = Path("logs/quantgate.log")
 
 # inputs the project ships

@@ -13,12 +13,12 @@ import logging
 import os
 from pathlib import Path
 
-from pipelines.evaluation import fidelity, standard_tasks
 from pipelines.core.errors import ENVIRONMENT, environment_cause
 from pipelines.core.logs import library_output
-from pipelines.models.loading import load_variant
 from pipelines.core.paths import EVAL_DIR
+from pipelines.evaluation import fidelity, standard_tasks
 from pipelines.evaluation.plans import PLACEHOLDERS, check_items, probe_items, row_of
+from pipelines.models.loading import load_variant
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pipelines.core.errors import ENVIRONMENT
 from pipelines.core.io import read_json, read_jsonl
 from pipelines.core.params_requests import PolicyParams
 from pipelines.core.params_sections import CompareParams
-from pipelines.core.paths import BASELINE, MANIFEST
+from pipelines.core.paths import BASELINE, EVAL_RESULTS, MANIFEST, RESULTS
 from pipelines.evaluation import standard_tasks
 from pipelines.evaluation.plans import by_id, correctness, plan_summary
 from pipelines.judging import sequential, stats
@@ -34,9 +34,10 @@ def load_inputs(names: list[str], results: Path, variants_dir: Path) -> dict[str
 
     out = {}
     for name in names:
-        items_path = results / "eval" / name / "items.jsonl"
+        evaluated = results / EVAL_RESULTS.relative_to(RESULTS)  # `results` is RESULTS in a run, a copy in tests
+        items_path = evaluated / name / "items.jsonl"
         out[name] = {"manifest": maybe(variants_dir / name / MANIFEST),
-                     "eval": maybe(results / "eval" / f"{name}.json"),
+                     "eval": maybe(evaluated / f"{name}.json"),
                      "items": read_jsonl(items_path) if items_path.is_file() else None}
     return out
 

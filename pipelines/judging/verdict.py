@@ -226,12 +226,12 @@ def check_row(name: str, domain: str, row: dict | None, params: Params) -> tuple
 
 
 def worst(verdicts) -> str:
-    """The gate's verdict over several: any `fail` fails, then any `undecided` (a compare verdict `inconclusive`
-    counts as one) or nothing at all is undecided, else pass."""
+    """The gate's verdict over several: any `fail` fails; pass only when there are verdicts and every one is `pass`;
+    anything else (`undecided`, a compare verdict `inconclusive`, nothing at all, a value no rule gives) is undecided."""
     verdicts = list(verdicts)
     if "fail" in verdicts:
         return "fail"
-    return "undecided" if "undecided" in verdicts or "inconclusive" in verdicts or not verdicts else "pass"
+    return "pass" if verdicts and all(v == "pass" for v in verdicts) else "undecided"
 
 
 def regression_against(candidate_items: list[dict], production_items: list[dict], params: Params) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from pipelines.core.params_sections import MemoryParams
+from pipelines.core.paths import BASELINE
 
 
 def leak_verdict(soak_result: dict, footprint: int, p: MemoryParams) -> dict:
@@ -41,7 +42,7 @@ def _ooms(r: dict) -> str | None:
     return "; ".join(ooms) or None
 
 
-def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = "fp16") -> dict:
+def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = BASELINE) -> dict:
     """Per variant: footprint, peaks, growth rate, leak verdict, OOM, and growth_excess_pct against fp16.
 
     growth_excess_pct = 100 x (variant's growth rate - fp16's) x `rounds` / fp16's footprint, where the growth

@@ -11,8 +11,7 @@ from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params import HUB_ID
-from pipelines.core.paths import REFERENCE_DIR
-
+from pipelines.core.paths import MANIFEST, REFERENCE_DIR
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ def variant_manifest(variant_dir: str | Path) -> dict:
     """The variant's quantgate.json; a missing one means the variant was never built."""
     from pipelines.core.io import read_json
 
-    path = Path(variant_dir) / "quantgate.json"
+    path = Path(variant_dir) / MANIFEST
     if not path.is_file():
         raise VariantFailed(f"{variant_dir}: no quantgate.json; run its quantize/admit stage first")
     return read_json(path)

@@ -15,8 +15,8 @@ import bisect
 import json
 from pathlib import Path
 
-from pipelines.text.classify import Classifier
 from pipelines.core.errors import QuantgateError
+from pipelines.text.classify import Classifier
 
 
 class Router:

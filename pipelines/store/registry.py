@@ -198,8 +198,8 @@ def verify_version(client: MlflowClient, version) -> dict:
     """Check the stored checkpoint behind a model version against its registered hashes (raises, naming the
     file). A local artifact store is read in place; any other is downloaded to a temporary folder."""
     from mlflow.store.artifact.runs_artifact_repo import RunsArtifactRepository
-    from mlflow.utils.uri import is_local_uri
     from mlflow.utils.file_utils import local_file_uri_to_path
+    from mlflow.utils.uri import is_local_uri
 
     files = _stored_hashes(client, version)
     label = f"{version.name} version {version.version}: checkpoint {version.source}"

@@ -7,7 +7,6 @@ import json
 from .format import count, minus, pct, small, span, table, words
 from .sources import Context
 
-
 # ---------------------------------------------------------------- results: evaluate
 
 def eval_result(ctx: Context, variant: str) -> dict:
