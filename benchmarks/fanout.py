@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import measured  # noqa: E402
 from tests.test_fanout import env, free_port, small_repo, tool  # noqa: E402
-from tests.test_pipeline_e2e import repo_copy  # noqa: E402
+from tests.pipeline_e2e_helpers import repo_copy  # noqa: E402
 
 
 def timed(args: list[str], cwd: Path) -> float:

@@ -34,7 +34,7 @@ BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import measured  # noqa: E402
-from tests.test_pipeline_e2e import repo_copy  # noqa: E402
+from tests.pipeline_e2e_helpers import repo_copy  # noqa: E402
 
 
 def fresh_copy(dest: Path) -> Path:

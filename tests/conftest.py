@@ -156,3 +156,74 @@ def sharded_checkpoint(tmp_path_factory, direct_checkpoints):
     from tests.checkpoint_helpers import reshard
 
     return reshard(direct_checkpoints["gptq"], tmp_path_factory.mktemp("sharded") / "gptq")
+
+
+# ---- shared by the record, gate and store tests (tests/test_record.py, tests/test_gate.py, tests/test_store_*.py)
+@pytest.fixture()
+def recorded(tmp_path):
+    """int8 passes both domains, awq4 fails math; recorded once."""
+    from pipelines import record
+    from tests.handmade import correctness
+    from tests.store_helpers import N, write_recordable
+
+    built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
+                                        "awq4": {"math": correctness(N, 300, lose=60), "code": correctness(N, 300)}})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    summary = record.record_pipeline(built["params"], uri, built["digest"], {"commit": "abc123", "dirty": False},
+                                     root=tmp_path, artifact_root=tmp_path / "artifacts")
+    return tmp_path, built, uri, summary
+
+
+@pytest.fixture()
+def repo(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    return tmp_path
+
+
+# ---- gsm8k local files for tests/test_standard_tasks.py and tests/test_standard_task_rows.py (per module: cheap)
+@pytest.fixture(scope="module")
+def gsm8k_files(tmp_path_factory):
+    from pipelines.core.io import write_jsonl
+    from tests.standard_task_helpers import PROBLEMS, SHOTS, rows
+
+    root = tmp_path_factory.mktemp("gsm8k")
+    write_jsonl(root / "test.jsonl", rows(PROBLEMS))
+    write_jsonl(root / "train.jsonl", rows(SHOTS))
+    return {"test": str(root / "test.jsonl"), "train": str(root / "train.jsonl")}
+
+
+# ---- the whole pipeline, run ONCE per session for tests/test_pipeline_e2e.py and tests/test_readme_commands.py
+@pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory):
+    """`dvc repro` (twice) in a temporary copy of the repository with a fifth request type and a broken candidate."""
+    import yaml
+
+    from tests.pipeline_e2e_helpers import add_sql_request_type, dvc, repo_copy
+
+    repo = repo_copy(tmp_path_factory.mktemp("repo"))
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    add_sql_request_type(repo, params)
+    # the shipped reference model (copied, not trained): a model that answers the probes, so the verdicts
+    # judge something (a model that scores 0 everywhere cannot pass) and the loop runs to promotion
+    params["calibration"].update(samples=64, max_tokens=96)
+    params["evaluate"].update(look_items=20, max_items=40, fidelity_texts=16)
+    # 40 items cannot show a 5-point margin: 0 flips of 40 in ~12 families still leave an interval of about
+    # +-0.2 (t with 11 df). A 0.25 margin lets the nearly lossless int8 pass, so registration and promotion
+    # run end to end; 16 fidelity texts give KL the 100 tokens it needs
+    params["compare"]["policy"]["default"]["max_accuracy_drop"] = 0.25
+    # int8 (bitsandbytes on a CPU) grows ~2 KB a round for up to ~20 rounds before it settles on this tiny model,
+    # longer on a loaded machine: 24 rounds let it settle instead of projecting warm-up as a leak
+    params["memory"].update(seq_fractions=[0.5, 1.0], warmup_rounds=1, rounds=10, max_rounds=24, tail_rounds=6,
+                            alternations=2, burst_size=2)
+    broken = repo / "third_party" / "vendor-gptq"  # a candidate that must be rejected, not crash the pipeline
+    broken.mkdir(parents=True)
+    (broken / "config.json").write_text("{}")
+    (broken / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    params["candidates"] = {"vendor-gptq": {"path": "third_party/vendor-gptq"}}
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    first = dvc(["repro"], repo)
+    assert first.returncode == 0, first.stdout + first.stderr
+    second = dvc(["repro"], repo)
+    return repo, first, second

@@ -165,7 +165,7 @@ def ray_cluster():
 def small_repo(dest: Path, variants: list[str], **fanout_settings) -> Path:
     """A copy of the repository with the end-to-end test's small settings, judged on accuracy alone: memory limits
     wide enough that two stages measuring side by side on two cores cannot flip a verdict."""
-    from tests.test_pipeline_e2e import repo_copy
+    from tests.pipeline_e2e_helpers import repo_copy
 
     repo = repo_copy(dest)
     params = yaml.safe_load((repo / "params.yaml").read_text())

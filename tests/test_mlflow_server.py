@@ -24,8 +24,8 @@ from mlflow import MlflowClient
 from pipelines import cli
 from tests.conftest import ROOT
 from tests.handmade import correctness
+from tests.store_helpers import write_recordable
 from tests.test_mlflow_ui import CHROMIUM
-from tests.test_record import write_recordable
 
 SCRIPT = ROOT / "scripts/mlflow_server.py"
 N = 400

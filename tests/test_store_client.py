@@ -1,0 +1,61 @@
+"""pipelines/store/client.py's recording lease lock: a dead holder's lock is taken over, a live one waited for."""
+
+from __future__ import annotations
+
+from mlflow import MlflowClient
+
+from pipelines import record
+from pipelines.store import client as store_client
+from tests.handmade import correctness
+from tests.store_helpers import N, write_recordable
+
+
+def locked_workspace(tmp_path, holder: str, heartbeat: float) -> tuple[dict, str, str]:
+    """(recordable results, store uri, lock name) with that lock already held by `holder`."""
+    built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
+                                        "awq4": {d: correctness(N, 300, lose=60) for d in ("math", "code")}})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    lock = store_client.RECORDING_LOCK + built["digest"][:16]
+    MlflowClient(uri).create_registered_model(lock, tags={"heartbeat": str(heartbeat), "holder": holder})
+    return built, uri, lock
+
+
+def record_into(built: dict, uri: str, tmp_path) -> dict:
+    return record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
+                                  artifact_root=tmp_path / "artifacts")
+
+
+def test_a_recording_lock_left_by_a_dead_process_is_taken_over(tmp_path, monkeypatch):
+    """record holds `quantgate-recording-<digest>` while it writes; one whose heartbeat stopped is a dead holder's."""
+    built, uri, _ = locked_workspace(tmp_path, "gone:1", 1000.0)
+    summary = record_into(built, uri, tmp_path)
+    assert summary["status"] == "recorded"
+    assert [m.name for m in MlflowClient(uri).search_registered_models()] == ["quantgate-reference"]  # the lock is gone
+
+
+def test_a_live_recording_lock_is_waited_for(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    built, uri, lock = locked_workspace(tmp_path, "other:1", time.time())
+    monkeypatch.setattr(store_client, "LOCK_POLL_S", 0.1)
+    released = threading.Timer(1.5, lambda: MlflowClient(uri).delete_registered_model(lock))
+    began = time.time()
+    released.start()
+    summary = record_into(built, uri, tmp_path)
+    assert summary["status"] == "recorded" and time.time() - began >= 1.5
+
+
+def test_a_fresh_lock_of_a_dead_process_on_this_machine_is_taken_over_at_once(tmp_path):
+    """A `record` killed here (SIGKILL, a crash) leaves its lock beating-fresh: its pid is gone, so no 5-minute wait."""
+    import socket
+    import subprocess
+    import time
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    built, uri, _ = locked_workspace(tmp_path, f"{socket.gethostname()}:{gone.pid}", time.time())
+    began = time.time()
+    summary = record_into(built, uri, tmp_path)
+    assert summary["status"] == "recorded" and time.time() - began < store_client.LOCK_STALE_S / 10
