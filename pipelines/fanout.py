@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
-from pipelines.core.paths import BASELINE, DVC_YAML, PARAMS_FILE, REFERENCE_DIR
+from pipelines.core.paths import BASELINE, DVC_YAML, EVAL_DIR, PARAMS_FILE, REFERENCE_DIR
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def inputs_fingerprint(root: Path, params) -> dict[str, list[int]]:
     the code, the probes, the calibration sets, the reference model and the candidates' folders. `dvc commit` records
     the inputs as they are when it runs; if they changed since the tasks started, it would vouch for outputs made
     from other inputs, so the fan-out refuses to commit instead."""
-    paths = [root / PARAMS_FILE, root / DVC_YAML, root / "pipelines", root / "eval", root / "calibration_sets",
+    paths = [root / PARAMS_FILE, root / DVC_YAML, root / "pipelines", root / EVAL_DIR, root / "calibration_sets",
              root / REFERENCE_DIR, *[(root / c.path) for c in params.candidates.values()]]
     seen: dict[str, list[int]] = {}
     for top in paths:

@@ -11,10 +11,9 @@ import struct
 from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
-from pipelines.core.paths import REFERENCE_DIR, SHIPPED_REFERENCE_DIR
+from pipelines.core.paths import MODELS_DIR, REFERENCE_DIR, SHIPPED_REFERENCE_DIR
 from pipelines.diagnose.check import FAIL, OK, WARN, Check, existing, size
 
-MODELS_DIR = REFERENCE_DIR.parent  # models/: every checkpoint the run writes lands below it
 DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 

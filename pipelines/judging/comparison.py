@@ -20,7 +20,7 @@ from pipelines.core.errors import ENVIRONMENT
 from pipelines.core.io import read_json, read_jsonl
 from pipelines.core.params_requests import PolicyParams
 from pipelines.core.params_sections import CompareParams
-from pipelines.core.paths import BASELINE, EVAL_RESULTS, MANIFEST, RESULTS
+from pipelines.core.paths import BASELINE, EVAL_RESULTS, MANIFEST, MEMORY_SUMMARY, RESULTS
 from pipelines.evaluation import standard_tasks
 from pipelines.evaluation.plans import by_id, correctness, plan_summary
 from pipelines.judging import sequential, stats
@@ -220,7 +220,7 @@ def compare_all(variants: list[str], candidates: list[str], plans: dict[str, dic
     inputs = load_inputs(names, results, variants_dir)
     for name in candidates:
         inputs[name]["kind"] = "candidate"
-    memory_path = results / "memory_summary.json"
+    memory_path = results / MEMORY_SUMMARY.relative_to(RESULTS)
     memory = read_json(memory_path) if memory_path.is_file() else {}
     base_failure = _upstream_failure(inputs[BASELINE])[0]
     base_mem = memory.get("variants", {}).get(BASELINE)
