@@ -97,13 +97,20 @@ def test_every_import_of_the_package_names_something_that_exists():
     assert missing == []
 
 
-@pytest.mark.parametrize("argv", [
+VERB_LINES = [
     ["reference"], ["calibrate"], ["quantize", "int8"], ["quantize", "int8", "--failed-because", "x"],
     ["admit", "awq4"], ["memory", "int8", "--inject-leak-bytes", "8", "--inject-leak-rounds", "2"], ["memory-report"],
     ["baseline"], ["evaluate", "int8"], ["compare"], ["route"], ["route", "lookup", "hi", "--context-tokens", "5"],
     ["record"], ["fanout", "--address", "auto", "--report", "r.json"], ["gate", "--variant", "int8", "--promote"],
     ["fetch", "production", "--model", "m", "--dest", "d"], ["ui", "--port", "5001"], ["doctor", "--params", "p.yaml"],
-])
+]
+
+
+def test_every_verb_of_the_cli_is_checked_below():
+    assert {"route lookup" if argv[:2] == ["route", "lookup"] else argv[0] for argv in VERB_LINES} == set(cli.VERBS)
+
+
+@pytest.mark.parametrize("argv", VERB_LINES)
 def test_every_verb_reaches_an_entry_function_that_takes_its_options(argv):
     function, kwargs = cli.entry(cli.build_parser().parse_args(argv))
     assert callable(function) and function.__module__.startswith("pipelines.")
