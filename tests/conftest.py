@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,16 @@ TINY_REFERENCE = {
 def _repo_root(monkeypatch):
     """Stages resolve shipped sources relative to the repository root, as `dvc repro` runs them."""
     monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture(autouse=True)
+def _mlflow_fluent_store_forgotten():
+    """MLflow keeps the store its fluent API was pointed at in a module global (a test's server, stopped since);
+    the next test starts without it, as a new process would, whatever order the tests run in."""
+    yield
+    utils = sys.modules.get("mlflow.tracking._tracking_service.utils")
+    if utils is not None and getattr(utils, "_tracking_uri", None) is not None:
+        utils._tracking_uri = None
 
 
 @pytest.fixture(scope="session")
