@@ -44,6 +44,7 @@ def overhead(address: str) -> tuple[float, float]:
     """(ms per empty task, ms per `true` run as a stage task), each the median of sequential round trips."""
     import statistics
 
+    os.environ.update({k: v for k, v in env().items() if k.startswith("RAY_AUTH")})  # the cluster's token auth
     import ray
 
     from pipelines import fanout

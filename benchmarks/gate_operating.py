@@ -35,15 +35,18 @@ from pipelines.judging import sequential  # noqa: E402
 from pipelines.judging.verdict import judge  # noqa: E402
 
 MARGIN = 0.05
-POLICY = PolicyParams(max_accuracy_drop=MARGIN, max_flip_rate=1.0, kl_percentile="p99", max_kl=1.0,
+POLICY = PolicyParams(max_accuracy_drop=MARGIN, max_flip_rate=0.99, kl_percentile="p99", max_kl=1.0,
                       max_growth_excess_pct=1.0, min_memory_saving_pct=10.0)
 FIDELITY = {"tokens": 1000, "kl": {"p99": 0.1}}
 MEMORY = {"growth_excess_pct": 0.0, "leak": False, "oom": None}
 
 
-def simulate(rng, n: int, difference: float, flip_rate: float, families: int | None, accuracy: float = 0.75):
-    """(fp16 correct, variant correct, family labels) for n items; the population difference is `difference`."""
-    labels = np.arange(n) % families if families else np.arange(n)
+def simulate(rng, n: int, difference: float, flip_rate: float, families: int | None, accuracy: float = 0.75,
+             labels: np.ndarray | None = None):
+    """(fp16 correct, variant correct, family labels) for n items; the population difference is `difference`.
+    `labels` (0 .. families - 1 per item) sets unequal families; by default item k is in family k % families."""
+    if labels is None:
+        labels = np.arange(n) % families if families else np.arange(n)
     base = rng.random(n) < accuracy
     p_loss, p_gain = (flip_rate - difference) / 2, (flip_rate + difference) / 2  # unconditional rates
     loss, gain = p_loss / accuracy, p_gain / (1 - accuracy)  # given fp16 right / wrong

@@ -15,7 +15,8 @@ from pipelines.core.errors import QuantgateError
 from pipelines.core.io import write_json, write_jsonl
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params import load_params
-from pipelines.core.paths import BASELINE, BASELINE_RESULTS, FIDELITY_BASE, VARIANTS_DIR
+from pipelines.core.paths import BASELINE, BASELINE_RESULTS, FIDELITY_BASE, FIDELITY_TEXTS, VARIANTS_DIR
+from pipelines.evaluation import fidelity
 from pipelines.evaluation.console import log_probes
 from pipelines.evaluation.harness import evaluate_variant
 from pipelines.evaluation.plans import probe_plans
@@ -42,6 +43,7 @@ def main() -> int:
         raise QuantgateError(f"the fp16 baseline could not be evaluated: {result['error']}")
     os.replace(staged, FIDELITY_BASE)
     write_jsonl(BASELINE_RESULTS / "items.jsonl", items)
+    write_jsonl(BASELINE_RESULTS / FIDELITY_TEXTS, fidelity.pop_texts(result))  # what `quantgate audit` re-measures
     write_json(BASELINE_RESULTS / "eval.json", result)
     log_probes(BASELINE, result)
     log.info("baseline: %s -> %s", ", ".join(f"{d} {r['items']}" for d, r in result["probes"].items()), BASELINE_RESULTS)

@@ -271,6 +271,13 @@ def main() -> int:
             f"{measured['types'][t]['requests']})" for t in report["classifier_flagged"])
             + f" in {params.coverage.traffic}, below coverage.min_classifier_accuracy "
             f"{params.coverage.min_classifier_accuracy}; the coverage shares of those types are not to be trusted")
+    unknown = report["unknown"]
+    log.info("calibrate: unknown (no type claims it, served by fp16) %5.1f%% of production traffic%s",
+             100 * unknown["production_share"], "  ABOVE coverage.max_unknown_share" if unknown["flagged"] else "")
+    if unknown["flagged"]:
+        problems.append(f"{100 * unknown['production_share']:.1f}% of {params.coverage.traffic} is claimed by no "
+                        f"request type (above coverage.max_unknown_share {params.coverage.max_unknown_share}): fp16 "
+                        "serves it and no probe measures it; declare the request types it holds")
     for message in problems:
         if params.coverage.on_gap == "fail":
             raise QuantgateError("; ".join(problems) + "; coverage.on_gap is 'fail'")

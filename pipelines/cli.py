@@ -31,6 +31,7 @@ VERBS = {  # verb -> entry function; the stages are also dvc.yaml stages of the 
     "record": "pipelines.record:main",
     "fanout": "pipelines.fanout:main",
     "gate": "pipelines.gate:main",
+    "audit": "pipelines.audit:main",
     "fetch": "pipelines.fetch:main",
     "ui": "pipelines.store.tracking:ui",
     "doctor": "pipelines.doctor:main",
@@ -86,12 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "local Ray started for this run)")
     p.add_argument("--report", metavar="FILE", help="also write what ran where, what failed and what was committed "
                                                     "as JSON")
+    p.add_argument("--insecure", action="store_true", help="use a Ray cluster without token authentication "
+                   "(refused by default: an open Ray port runs anyone's code; docs/fanout.md)")
     p = verb("gate", "release verdict: exit 0 pass, 1 fail, 2 could not decide; writes results/gate.json and "
                      "results/report.md")
     p.add_argument("--variant", action="append", metavar="NAME",
                    help="gate only this variant or candidate (repeatable); default: all of them")
     p.add_argument("--promote", action="store_true", help="when the gate passes, move the registry alias "
                    "'production' to 'candidate' unless it regresses against the current production version")
+    p.add_argument("--audit", action="store_true", help="first `quantgate audit`: records that disagree exit 2")
+    p.add_argument("--audit-seed", type=int, default=None, metavar="N", help="repeat the audit sample of seed N")
+    p = verb("audit", "re-measure a fresh random sample of the recorded items and fidelity texts through each "
+                      "checkpoint; exit 2 naming the records that disagree (results/audit.json)")
+    p.add_argument("--variant", action="append", metavar="NAME", help="only this variant (repeatable), and fp16")
+    p.add_argument("--seed", type=int, default=None, metavar="N", help="repeat seed N's sample (default: os.urandom)")
     p = verb("fetch", "download the checkpoint behind a registry alias or version and verify its sha256 per file "
                       "(exit 2 naming the file that differs or is missing)")
     p.add_argument("ref", metavar="ALIAS_OR_VERSION", help="production, candidate, or a version number (3 or v3)")

@@ -14,7 +14,8 @@ from pipelines.core import logs
 from pipelines.core.io import atomic_write_text, read_json, read_jsonl, write_json, write_jsonl
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params import load_params
-from pipelines.core.paths import BASELINE, BASELINE_RESULTS, EVAL_RESULTS, FIDELITY_BASE, VARIANTS_DIR
+from pipelines.core.paths import BASELINE, BASELINE_RESULTS, EVAL_RESULTS, FIDELITY_BASE, FIDELITY_TEXTS, VARIANTS_DIR
+from pipelines.evaluation import fidelity
 from pipelines.evaluation.console import log_probes
 from pipelines.evaluation.harness import evaluate_variant
 from pipelines.evaluation.plans import by_id, correctness, probe_plans
@@ -29,11 +30,13 @@ def main(variant: str, failed_because: str | None = None) -> int:
     p = params.evaluate
     if variant == BASELINE:  # its answers are the baseline stage's: one copy under the common layout
         atomic_write_text(EVAL_RESULTS / BASELINE / "items.jsonl", (BASELINE_RESULTS / "items.jsonl").read_text("utf-8"))
+        atomic_write_text(EVAL_RESULTS / BASELINE / FIDELITY_TEXTS, (BASELINE_RESULTS / FIDELITY_TEXTS).read_text("utf-8"))
         write_json(EVAL_RESULTS / f"{BASELINE}.json", read_json(BASELINE_RESULTS / "eval.json"))
         log.info("evaluate fp16: the baseline's records (%s) -> %s", BASELINE_RESULTS, EVAL_RESULTS / BASELINE)
         return 0
     if failed_because:  # `quantgate fanout` records a run that died outside the stage (docs/fanout.md)
         write_jsonl(EVAL_RESULTS / variant / "items.jsonl", [])
+        write_jsonl(EVAL_RESULTS / variant / FIDELITY_TEXTS, [])
         write_json(EVAL_RESULTS / f"{variant}.json", {"variant": variant, "device": resolve_device(params.device),
                                                      "batch_size": p.batch_size, "status": "failed",
                                                      "error": failed_because})
@@ -52,6 +55,7 @@ def main(variant: str, failed_because: str | None = None) -> int:
     result, items = ({"variant": variant, "device": device, "batch_size": p.batch_size, "status": "failed",
                       "error": error}, []) if error else done
     write_jsonl(EVAL_RESULTS / variant / "items.jsonl", items)
+    write_jsonl(EVAL_RESULTS / variant / FIDELITY_TEXTS, fidelity.pop_texts(result))  # what `quantgate audit` re-measures
     write_json(EVAL_RESULTS / f"{variant}.json", result)
     log_probes(variant, result)
     return 0

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
 from pipelines.core.paths import BASELINE, DVC_YAML, EVAL_DIR, PARAMS_FILE, REFERENCE_DIR
+from pipelines.core.ray_auth import connect
 
 log = logging.getLogger(__name__)
 
@@ -237,24 +238,31 @@ def record_failure(root: Path, stage: Stage, cause: str, env: dict) -> None:
         raise QuantgateError(f"{stage.name}: could not record its failure ({done.stderr.strip()[-500:]})")
 
 
-def run_chains(root: Path, params, address: str | None, env: dict | None = None) -> dict:
-    """The whole fan-out; returns what ran where, what failed, and what was committed."""
-    import ray
-
+def run_chains(root: Path, params, address: str | None, env: dict | None = None, insecure: bool = False) -> dict:
+    """The whole fan-out; returns what ran where, what failed, and what was committed. A cluster named by address
+    (or RAY_ADDRESS) is checked (`connect`) before anything runs; a local one is started, with a token, only when
+    a stage needs running."""
     env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **thread_settings(),
            **(env or {})}
-    upstream = subprocess.run([dvc_bin(), "repro", "calibrate"], cwd=root, env={**os.environ, **env})
-    if upstream.returncode != 0:
-        raise QuantgateError("dvc repro calibrate failed: the chains need the reference model and calibration sets")
-    stages = chain_stages(params)
-    todo = stale(stages, dvc_changed(root))
-    before = inputs_fingerprint(root, params)
-    report: dict = {"ran": {}, "failed": {}, "committed": [], "skipped_up_to_date": [s for s in stages if s not in todo]}
-    if not todo:
-        log.info("fanout: every chain stage is up to date")
-        return report
-    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address is not None:
+        connect(address, insecure)
+    import ray
+
     try:
+        upstream = subprocess.run([dvc_bin(), "repro", "calibrate"], cwd=root, env={**os.environ, **env})
+        if upstream.returncode != 0:
+            raise QuantgateError("dvc repro calibrate failed: the chains need the reference model and calibration sets")
+        stages = chain_stages(params)
+        todo = stale(stages, dvc_changed(root))
+        before = inputs_fingerprint(root, params)
+        report: dict = {"ran": {}, "failed": {}, "committed": [],
+                        "skipped_up_to_date": [s for s in stages if s not in todo]}
+        if not todo:
+            log.info("fanout: every chain stage is up to date")
+            return report
+        if address is None:
+            connect(None, insecure)
         check_gpus(params, [stages[name].variant for name in todo], ray.cluster_resources().get("GPU", 0))
         remote = ray.remote(max_retries=params.fanout.retries, retry_exceptions=False)(run_stage)
         refs: dict[str, object] = {}
@@ -334,12 +342,13 @@ def _gather(refs: dict[str, object], stages: dict[str, Stage]) -> dict[str, dict
     return results
 
 
-def main(address: str | None = None, report: str | None = None) -> int:
-    """`quantgate fanout`: the per-variant chains as Ray tasks on a cluster, then `dvc commit` of what ran."""
+def main(address: str | None = None, report: str | None = None, insecure: bool = False) -> int:
+    """`quantgate fanout`: the per-variant chains as Ray tasks on a cluster, then `dvc commit` of what ran; a cluster
+    without Ray's token authentication is refused unless `insecure`."""
     from pipelines.core.io import write_json
     from pipelines.core.params import load_params
 
-    done = run_chains(Path(os.environ.get("DVC_ROOT", ".")).resolve(), load_params(), address)
+    done = run_chains(Path(os.environ.get("DVC_ROOT", ".")).resolve(), load_params(), address, insecure=insecure)
     if report:
         write_json(Path(report), done)
     for name, row in done["ran"].items():

@@ -150,8 +150,32 @@ def render_report(result: dict, report: dict | None, table: dict | None) -> str:
     return "\n".join(lines)
 
 
-def main(variant: list[str] | None = None, promote: bool = False) -> int:
-    """`quantgate gate`: the release verdict; exit 0 pass, 1 fail, 2 could not decide (any exception included)."""
+def _audit(params, variant: list[str] | None, seed: int | None) -> dict:
+    """`quantgate audit` inside the gate: the same floor function, its result kept in results/audit.json."""
+    import os
+
+    from pipelines.core import logs
+    from pipelines.core.io import write_json
+    from pipelines.core.paths import AUDIT_RESULT
+    from pipelines.evaluation.remeasure import audit, describe
+    from pipelines.models.loading import resolve_device
+
+    names = [n for n in [BASELINE, *params.variants, *params.candidates]
+             if n == BASELINE or not variant or n in variant]
+    names = list(dict.fromkeys(names))
+    seed = int.from_bytes(os.urandom(8), "big") if seed is None else seed
+    print(f"quantgate gate: audit seed {seed}", flush=True)
+    with logs.progress(total=len(names), desc="audit (re-measuring)", unit="model") as bar:
+        found = audit(params, names, seed, resolve_device(params.device), bar)
+    write_json(AUDIT_RESULT, found)
+    return {"verdict": found["verdict"], "seed": seed, "lines": [describe(p) for p in found["problems"]],
+            "largest_difference": found["largest_difference"]}
+
+
+def main(variant: list[str] | None = None, promote: bool = False, audit: bool = False,
+         audit_seed: int | None = None) -> int:
+    """`quantgate gate`: the release verdict; exit 0 pass, 1 fail, 2 could not decide (any exception included).
+    `audit`: first re-measure a sample of the evidence (evaluation/remeasure.py); records that disagree: exit 2."""
     import logging
     import os
     import sys
@@ -183,6 +207,13 @@ def main(variant: list[str] | None = None, promote: bool = False) -> int:
                                 probe_plans(params.evaluate.domains, params.evaluate), params.compare, RESULTS,
                                 VARIANTS_DIR)
         result = decide(report, fresh, params, changes, lock_digest(), variant or None, stage_digests())
+        if audit and not changes:  # a stale workspace is undecided already: its checkpoints are not DVC's
+            result["audit"] = _audit(params, variant, audit_seed)
+            if result["audit"]["verdict"] != "ok":
+                result["verdict"] = "undecided"
+                result["reasons"] = ["the audit re-measured recorded evidence and it disagrees (results/audit.json; "
+                                     "repeat with --audit-seed {}): re-run the stages named, do not edit results"
+                                     .format(result["audit"]["seed"]), *result["audit"]["lines"], *result["reasons"]]
         digest = results_digest()
         result["results_digest"] = digest
         result["git"] = git_commit()

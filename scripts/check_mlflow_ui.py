@@ -137,8 +137,11 @@ def verdict_prefix(name: str) -> str:
 
 
 def fresh_page(browser):
-    """A page in a new browser context: a fresh profile, no MLflow view state in its storage."""
-    return browser.new_context(viewport=VIEWPORT).new_page()
+    """A page in a new browser context: a fresh profile, no MLflow view state in its storage; a server with MLflow's
+    login gets MLFLOW_TRACKING_USERNAME/PASSWORD, as MLflow's clients do."""
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    login = {"http_credentials": {"username": user, "password": password}} if user and password else {}
+    return browser.new_context(viewport=VIEWPORT, **login).new_page()
 
 
 def runs_table(browser, base: str, exp_id: str, parent, children: list, runs: list, shot: Path,

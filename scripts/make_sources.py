@@ -3,8 +3,8 @@
     .venv/bin/python scripts/make_sources.py
 
 writes calibration_sets/sources/chat/dialogues.jsonl, calibration_sets/sources/code_comment/zh_functions.jsonl,
-calibration_sets/traffic/production_sample.jsonl
-and the probe items eval/<domain>/items.jsonl.
+calibration_sets/traffic/production_sample.jsonl (its last UNKNOWN_COUNT requests, labelled `unknown`, from
+scripts/make_unknown_requests.py's generator) and the probe items eval/<domain>/items.jsonl.
 tests/test_calibrate.py checks that the committed files equal what this script writes.
 """
 
@@ -29,6 +29,7 @@ ZH_FUNCTION_COUNT = 800
 TRAFFIC = Path("calibration_sets/traffic/production_sample.jsonl")
 DIALOGUE_SEED, DIALOGUE_COUNT = 1234, 480
 TRAFFIC_SEED, TRAFFIC_COUNT = 4321, 400
+UNKNOWN_COUNT = 20  # of the production sample's requests, labelled unknown: about 5 %
 PROBES = {"math": probes.math_probes, "code": probes.code_probes, "code_comment": probes.code_comment_probes, "chat": probes.chat_probes}
 
 
@@ -52,7 +53,18 @@ def traffic_rows() -> list[dict]:
     trained, _ = synthetic.split_commented_cases(0)
     zh = [synthetic.commented_function(*case)[:2] for case in trained[:ZH_FUNCTION_COUNT]]
     rows = synthetic.traffic_sample(TRAFFIC_SEED, TRAFFIC_COUNT, bare, commented, zh)
-    return [{"id": r["id"], "text": r["text"], "label": r["kind"]} for r in rows]
+    labelled = [{"id": r["id"], "text": r["text"], "label": r["kind"]} for r in rows]
+    # production also sends what no declared type describes (JSON, SQL, logs, ...): labelled `unknown`, appended
+    # so the requests above stay as they were; drawn with another seed than tests/data/unknown_requests.jsonl. No SQL:
+    # the end-to-end test declares an `sql` type and counts its own 20 labelled requests among these.
+    import random
+
+    from make_unknown_requests import rows as unknown_rows
+
+    pool = [r for r in unknown_rows(TRAFFIC_SEED, 2) if r["kind"] != "sql"]
+    unknown = random.Random(TRAFFIC_SEED).sample(pool, UNKNOWN_COUNT)
+    return labelled + [{"id": f"req-{len(rows) + n:05d}", "text": r["text"], "label": "unknown"}
+                       for n, r in enumerate(unknown)]
 
 
 if __name__ == "__main__":

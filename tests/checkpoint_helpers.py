@@ -59,3 +59,27 @@ def reasons_of(folder, tiny_model):
     report = admission.validate(folder, str(tiny_model))
     assert not report["admitted"]
     return report["reasons"]
+
+
+def hub_cache(src, cache, repo_id="vendor/tiny-gptq", revision="a" * 40):
+    """`src` laid out as huggingface_hub lays out a download in its cache, with the hub's own link maker:
+    blobs named by their sha256 (an LFS file's etag), snapshots/<revision>/<file> a relative link to its blob,
+    refs/main naming the revision. Returns what snapshot_download() itself returns for it, offline."""
+    import hashlib
+    import os
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.file_download import _create_symlink, repo_folder_name
+
+    repo = cache / repo_folder_name(repo_id=repo_id, repo_type="model")
+    (repo / "blobs").mkdir(parents=True)
+    for path in sorted(p for p in src.rglob("*") if p.is_file()):
+        blob = repo / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+        shutil.copyfile(path, blob)
+        link = repo / "snapshots" / revision / path.relative_to(src)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        _create_symlink(str(blob), str(link), new_blob=False)
+        assert link.is_symlink() and not os.path.isabs(os.readlink(link))  # the layout under test: relative links
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot_download(repo_id, cache_dir=cache, local_files_only=True)

@@ -241,17 +241,18 @@ def test_default_recipe_covers_shipped_traffic(tmp_path, tokenizer):
     report = calibrate.run(CalibrationParams(), CoverageParams(), tokenizer, "tiny", tmp_path / "b", tmp_path / "c")
     assert report["under_represented"] == [] and report["covered"]
     shares = {d: v["production_share"] for d, v in report["domains"].items()}
-    assert shares["code_comment"] > 0.1 and abs(sum(shares.values()) - 1) < 1e-6
+    assert shares["code_comment"] > 0.1 and abs(sum(shares.values()) + report["unknown"]["production_share"] - 1) < 1e-3
+    assert report["unknown"]["production_requests"] == 20 and not report["unknown"]["flagged"]  # JSON, logs, ... (5 %)
     assert (tmp_path / "c" / "coverage.png").stat().st_size > 1000
     # the shipped sample is labelled by its generator: every request counts, and the classifier names each right
     measured = json.loads((tmp_path / "c" / "classifier.json").read_text())
-    assert measured == report["classifier"] and measured["labelled_requests"] == report["traffic_requests"] == 400
+    assert measured == report["classifier"] and measured["labelled_requests"] == report["traffic_requests"] == 420
     assert {t: (v["requests"], v["accuracy"]) for t, v in measured["types"].items()} == {
-        "chat": (180, 1.0), "code": (80, 1.0), "code_comment": (60, 1.0), "math": (80, 1.0)}
+        "chat": (180, 1.0), "code": (80, 1.0), "code_comment": (60, 1.0), "math": (80, 1.0), "unknown": (20, 1.0)}
     assert report["classifier_flagged"] == [] and report["domains"]["math"]["classifier_accuracy"] == 1.0
     assert (tmp_path / "c" / "classifier_confusion.png").stat().st_size > 1000
     pairs = json.loads((tmp_path / "c" / "classifier_predictions.json").read_text())
-    assert len(pairs) == 400 and {"actual": "code", "predicted": "code"} in pairs
+    assert len(pairs) == 420 and {"actual": "code", "predicted": "code"} in pairs
 
 
 def test_leaving_out_code_comments_is_flagged(tmp_path, tokenizer):
@@ -348,7 +349,7 @@ def test_on_gap_applies_to_a_flagged_classifier(monkeypatch, caplog, on_gap):
     texts, labels = zip(*LABELLED)
     measured = coverage.classifier_report(list(texts), list(labels), fruit(0.6))
     report = {"domains": {}, "under_represented": [], "classifier_flagged": measured["flagged"],
-              "classifier": measured, "rule": "-"}
+              "classifier": measured, "rule": "-", "unknown": {"production_share": 0.0, "flagged": False}}
     params = Params()
     params = params.model_copy(update={"coverage": params.coverage.model_copy(update={"on_gap": on_gap})})
     monkeypatch.setattr(params_module, "load_params", lambda: params)

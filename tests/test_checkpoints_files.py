@@ -74,7 +74,8 @@ def test_symlinks_sub_folders_and_unknown_files_fail(tmp_path, direct_checkpoint
         "checkpoint-500/: sub-folder refused (only ['.cache', 'original'] are ignored and "
         "['additional_chat_templates'] accepted)",
         "model.onnx: .onnx weights refused (another framework's format); only safetensors weights",
-        "tokenizer.json: symbolic link refused (copy the real files, e.g. `hf download --local-dir`)",
+        "tokenizer.json: symbolic link refused (not in a huggingface_hub cache snapshot; copy the real files, e.g. "
+        "`hf download --local-dir`)",
         f"{bad}: the safetensors weights are here too: delete the other formats, or download without them: "
         f'hf download <repo> --exclude "*.onnx" --local-dir {bad}']
 

@@ -53,7 +53,7 @@ def test_the_highest_priority_wins_and_a_tie_is_ambiguous():
     classifier = rules(sql={"patterns": {"kw": r"(?i)\bselect\b"}, "when": "kw >= 1", "priority": 25},
                        code={"when": "code_lines >= 2", "priority": 20},
                        chat={"when": "true", "priority": 0})
-    query = "SELECT a\nFROM t WHERE x = 1;\nx = 2"
+    query = "select a from t\nfor row in rows:\n    print(row)"
     assert classifier.matches(query) == ["sql", "code", "chat"]
     assert classifier.classify(query) == "sql"
     assert classifier.classify("def f(x):\n    return x") == "code"
@@ -71,5 +71,49 @@ def test_builtin_counts_and_pii_masking():
     assert classifier.classify("12 + 30") == "math"
     # a phone number is masked before the rules see it: not arithmetic
     assert classifier.classify("call me at 555-123-4567") == UNKNOWN
-    assert classifier.classify("# add\nx = 1") == "commented"
+    assert classifier.classify("# add\nx = f(1)") == "commented"
     assert classifier.classify("x" * 41) == "long"
+
+
+# ---- code_lines counts Python only; a catch-all is declared, never implied ---------------------------------------
+
+@pytest.mark.parametrize("text, code", [
+    ("def add(a, b):\n    return a + b", 2),
+    ("import os\nfrom pathlib import Path\nroot = Path(os.getcwd())", 3),
+    ("# keep the evens\nevens = [x for x in xs if x % 2 == 0]", 1),  # a comprehension: only Python writes it
+    ("x = compute()\nprint(x)", 2),
+    ("```python\nx = 1\ny = 2\n```", 2),  # a python fence: every line
+    ("```\ndef f():\n    return 1\n```", 2),  # an untagged fence: read line by line
+    ("```sql\nSELECT 1;\nUPDATE t SET a = 1;\n```", 0),  # another language's fence: none
+    ("[database]\nhost = db.internal\nport = 5432\nuser = alice", 0),  # INI / TOML: key = value is not Python alone
+    ("DATABASE_URL=postgres://db/app\nWORKERS=4\nDEBUG=false", 0),
+    ("#!/bin/bash\nset -euo pipefail\nfor f in *.log; do\n  gzip \"$f\"\ndone\nreturn 0", 0),
+    ("UPDATE orders SET status = 'closed' WHERE id = 4;\nSELECT * FROM orders;", 0),
+    ("function total(xs) {\n  let s = 0;\n  for (const x of xs) {\n    s += x;\n  }\n  return s;\n}", 0),
+    ("func Sum(xs []int) int {\n\ttotal := 0\n\tfor _, x := range xs {\n\t\ttotal += x\n\t}\n\treturn total\n}", 0),
+    ('Traceback (most recent call last):\n  File "/app/a.py", line 3, in f\n    value = int(row["id"])\nKeyError: 1', 0),
+])
+def test_code_lines_counts_python_and_nothing_else(text, code):
+    """code_lines decides the `code` type (code_lines >= 2): SQL, shell, configs, other languages and a traceback's
+    quoted source must not reach it, or a Python-measured variant serves them."""
+    rule = rules(code={"when": f"code_lines == {code}", "priority": 1})
+    assert rule.classify(text) == "code"
+
+
+def test_python_comments_only():
+    counts = rules(c={"when": "comment_lines >= 1", "priority": 1})
+    assert counts.classify("# Return the sum\nx = f(1)") == "c"
+    assert counts.classify('"""Docstring."""') == "c"
+    for other in ("#!/usr/bin/env bash", "#include <stdio.h>", "// C comment", "/* block */"):
+        assert counts.classify(other) == UNKNOWN, other
+
+
+def test_a_catch_all_is_declared_explicitly_and_loses_to_every_positive_rule():
+    """What README and docs/request-types.md tell a team that wants one: a type with `when: 'true'` and the lowest
+    priority. It takes what nothing else claims, and nothing that another type claims."""
+    catch_all = rules(code={"when": "code_lines >= 2", "priority": 20},
+                      everything_else={"when": "true", "priority": -1})
+    assert catch_all.classify("SELECT 1 FROM t;") == "everything_else"
+    assert catch_all.classify("def f(x):\n    return x") == "code"
+    without = rules(code={"when": "code_lines >= 2", "priority": 20})
+    assert without.classify("SELECT 1 FROM t;") == UNKNOWN

@@ -7,6 +7,7 @@ with both (.ci/run), so there they run."""
 
 from __future__ import annotations
 
+import base64
 import http.server
 import os
 import shutil
@@ -213,21 +214,46 @@ def test_mlflow_uri_that_nothing_answers_is_reported(tmp_path, monkeypatch):
     assert tools.mlflow_check(f"postgresql://u:p@127.0.0.1:{_free_port()}/db").status == check.FAIL
 
 
-def test_mlflow_server_that_answers_and_the_default_store_are_ok(tmp_path, monkeypatch):
-    class Health(http.server.BaseHTTPRequestHandler):
+def test_mlflow_server_login_and_the_default_store(tmp_path, monkeypatch):
+    """A server that answers /health is checked with one API call carrying MLflow's client login: refused without
+    one (FAIL, names the variables), served with it (OK), open to anyone (WARN)."""
+    wanted = {"value": "Basic " + base64.b64encode(b"ci:s3cret").decode()}
+
+    class Server(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            self.send_response(200 if self.path == "/health" else 404)
+            if self.path == "/health":
+                code = 200
+            elif self.path.startswith("/api/2.0/mlflow/experiments/search"):
+                code = 200 if wanted["value"] in (None, self.headers.get("Authorization")) else 401
+            else:
+                code = 404
+            self.send_response(code)
             self.end_headers()
-            self.wfile.write(b"OK")
+            self.wfile.write(b"{}")
 
         def log_message(self, *args):
             pass
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    server = http.server.HTTPServer(("127.0.0.1", 0), Server)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.server_port}"
     try:
-        got = tools.mlflow_check(f"http://127.0.0.1:{server.server_port}")
-        assert got.status == check.OK and "answers" in got.detail
+        monkeypatch.delenv("MLFLOW_TRACKING_USERNAME", raising=False)
+        monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+        got = tools.mlflow_check(uri)
+        assert got.status == check.FAIL and "requires a login" in got.detail
+        assert "MLFLOW_TRACKING_PASSWORD" in got.remedy
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "ci")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "wrong")
+        got = tools.mlflow_check(uri)
+        assert got.status == check.FAIL and "refuses the login of ci" in got.detail
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "s3cret")
+        got = tools.mlflow_check(uri)
+        assert got.status == check.OK and "answers" in got.detail and "logged in as ci" in got.detail
+        wanted["value"] = None  # a server without a login
+        monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
+        got = tools.mlflow_check(uri)
+        assert got.status == check.WARN and "without a login" in got.detail
     finally:
         server.shutdown()
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

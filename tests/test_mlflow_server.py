@@ -1,6 +1,7 @@
-"""MLflow on a server: scripts/mlflow_server.py starts a tracking server over its own PostgreSQL cluster;
-`quantgate record`, `gate --promote`, `fetch` and the UI check run against it, and two pipelines recording at
-the same time both end complete. The fixture stops the server and checks that nothing of it is left running.
+"""MLflow on a server: scripts/mlflow_server.py starts a tracking server over its own PostgreSQL cluster, locked by
+MLflow's login; `quantgate record`, `gate --promote`, `fetch` and the UI check run against it with the credentials in
+MLFLOW_TRACKING_USERNAME/PASSWORD only, a request without them is refused, and two pipelines recording at the same
+time both end complete. The fixture stops the server and checks that nothing of it is left running.
 
 Needs Debian's postgresql (/usr/lib/postgresql/<version>/bin); `.ci/run` installs it and sets
 QUANTGATE_REQUIRE_POSTGRES=1, so in CI a missing PostgreSQL fails instead of skipping.
@@ -8,6 +9,7 @@ QUANTGATE_REQUIRE_POSTGRES=1, so in CI a missing PostgreSQL fails instead of ski
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -15,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -45,7 +49,7 @@ def free_port() -> int:
 
 
 def script(*args, timeout=300) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -79,8 +83,15 @@ def server():
     try:
         assert started.returncode == 0, started.stdout + started.stderr
         state = json.loads((folder / "server.json").read_text())
+        password = (folder / "admin_password").read_text().strip()
         assert f"export MLFLOW_TRACKING_URI={state['tracking_uri']}" in started.stdout
-        yield {**state, "dir": folder, "start_seconds": started_s}
+        assert "export MLFLOW_TRACKING_USERNAME=admin" in started.stdout
+        assert f'export MLFLOW_TRACKING_PASSWORD="$(cat {folder / "admin_password"})"' in started.stdout
+        assert password not in started.stdout + started.stderr + (folder / "mlflow.log").read_text()
+        with pytest.MonkeyPatch.context() as env:  # how every client below logs in, as MLflow's clients do
+            env.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+            env.setenv("MLFLOW_TRACKING_PASSWORD", password)
+            yield {**state, "dir": folder, "start_seconds": started_s, "password": password}
     finally:
         state = json.loads((folder / "server.json").read_text()) if (folder / "server.json").is_file() else None
         stopped = script("stop", "--dir", str(folder))
@@ -211,6 +222,43 @@ def test_clear_errors_from_the_script(server, tmp_path):
     assert again.returncode == 2 and "already runs" in again.stderr
     assert script("status", "--dir", str(server["dir"])).returncode == 0
     assert script("stop", "--dir", str(tmp_path / "never")).returncode == 0
+    for host in ("0.0.0.0", "192.0.2.1"):  # beyond loopback without a login: refused before anything is made
+        open_ = script("start", "--dir", str(tmp_path / "open"), "--host", host, "--no-auth", "--port", str(free_port()))
+        assert open_.returncode == 2 and f"--host {host} with --no-auth" in open_.stderr, open_.stderr
+        assert not (tmp_path / "open").exists()
+
+
+def request(url: str, user: str | None = None, password: str | None = None) -> int:
+    """The HTTP status of a GET, with basic auth when given."""
+    headers = {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()} if user else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as reply:
+            return reply.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_the_server_serves_only_a_login(server, monkeypatch):
+    """Anonymous and wrong-password requests are refused (401); the admin's are served; MLflow's client and quantgate's
+    store reach it with the environment's credentials and fail without them; its secrets are owner-only files."""
+    from mlflow.exceptions import MlflowException
+
+    from pipelines.store.client import ensure_registered_model, using_store
+
+    url = f"{server['tracking_uri']}/api/2.0/mlflow/experiments/search?max_results=1"
+    assert request(url) == 401
+    assert request(url, "admin", server["password"] + "x") == 401
+    assert request(url, "admin", server["password"]) == 200
+    assert request(f"{server['tracking_uri']}/health") == 200  # public: how start and the doctor see it up
+    with using_store(server["tracking_uri"]) as client:  # credentials from MLFLOW_TRACKING_USERNAME/PASSWORD
+        ensure_registered_model(client, "quantgate-login-check")
+        assert client.get_registered_model("quantgate-login-check").name == "quantgate-login-check"
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
+    with pytest.raises(MlflowException, match="401|authenticated"):
+        MlflowClient(server["tracking_uri"]).search_registered_models()
+    for name in ("admin_password", "credentials.json", "auth.ini"):
+        assert (server["dir"] / name).stat().st_mode & 0o777 == 0o600, name
+    assert "database_uri = postgresql://" in (server["dir"] / "auth.ini").read_text()
 
 
 def test_no_postgresql_is_named_with_the_package_to_install(tmp_path, capsys, monkeypatch):
@@ -219,7 +267,7 @@ def test_no_postgresql_is_named_with_the_package_to_install(tmp_path, capsys, mo
     spec = importlib.util.spec_from_file_location("mlflow_server", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "PG_ROOT", tmp_path / "no-postgresql")
+    monkeypatch.setattr(sys.modules["mlflow_pg"], "PG_ROOT", tmp_path / "no-postgresql")
     assert module.main(["start", "--dir", str(tmp_path / "srv"), "--port", str(free_port())]) == 2
     err = capsys.readouterr().err
     assert "PostgreSQL is not installed" in err and "apt-get install postgresql" in err and "Traceback" not in err

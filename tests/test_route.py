@@ -10,7 +10,7 @@ import yaml
 from pipelines import cli, route
 from pipelines.core import lineage
 from pipelines.core.errors import QuantgateError
-from pipelines.core.params_requests import PolicyParams
+from pipelines.core.params_requests import ClassifyParams, PolicyParams
 from pipelines.core.params_sections import CompareParams, CoverageParams
 from pipelines.judging import comparison
 from pipelines.routing.router import Router
@@ -159,3 +159,41 @@ def test_without_a_baseline_every_row_stays_on_fp16(tmp_path):
     assert {(r["serve"], r["fallback_under_memory_pressure"], r["reason"]) for r in table["rows"]
             if r["domain"] in ("math", "code")} == {
         ("fp16", "fp16", "no variant passed")}
+
+
+ISSUE_REQUESTS = ["SELECT id, email FROM customers WHERE country = 'DE' ORDER BY id;",
+                  '{"user": {"id": 42, "tags": ["vip"]}, "active": true}',
+                  "cat /var/log/app.log | grep -i error | sort | uniq -c | head",
+                  "Translate to French: Where is my order? It has not arrived."]
+
+
+def test_only_a_positive_claim_reaches_a_quantized_variant(tmp_path, monkeypatch, capsys):
+    """With the shipped rules and chat passed by the cheapest variant, what chat's rule does not claim (SQL, JSON, a
+    shell pipeline, a translation task) is `unknown` and fp16 serves it; a customer's question is chat's."""
+    write_model(tmp_path, "fp16", {"chat": correctness(N, 300)})
+    write_model(tmp_path, "awq4", {"chat": correctness(N, 300, lose=1)})
+    write_memory(tmp_path, {n: memory_row(n) for n in ("fp16", "awq4")})
+    write_eval_items(tmp_path, {"chat": N})
+    report = comparison.compare_all(["fp16", "awq4"], [], plans(tmp_path, ("chat",)), CompareParams(),
+                                    tmp_path / "results", tmp_path / "models/variants")
+    table = route.build_table(report, BUCKETS, CompareParams().policy_for, tmp_path / "models/variants", "d" * 64,
+                              SHIPPED_RULES)
+    (tmp_path / "results/routing_table.json").write_text(json.dumps(table))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["route", "lookup", "Hi, where is my order 41055? It has not arrived.", "--context-tokens", "40"]) == 0
+    assert capsys.readouterr().out == "awq4\n"
+    for text in ISSUE_REQUESTS:
+        assert cli.main(["route", "lookup", text, "--context-tokens", "40"]) == 0
+        printed = capsys.readouterr()
+        assert printed.out == "fp16\n", text
+        assert "route: unknown request, 40 tokens" in printed.err and "no request type's classifier rule" in printed.err
+
+
+def test_a_declared_catch_all_takes_what_no_other_type_claims(results):
+    """docs/request-types.md: a team that wants one declares it (`when: 'true'`, the lowest priority); it is judged
+    like any type (here: not evaluated, so fp16 with that reason), and `unknown` is then never reached."""
+    rules = {**SHIPPED_RULES, "anything": ClassifyParams(when="true", priority=-1).model_dump()}  # as params.yaml
+    router = Router(json.loads(json.dumps(build(results, ["int8", "awq4"], classifier=rules))))
+    for text in ISSUE_REQUESTS:
+        assert router.route(text, 40)["domain"] == "anything"
+    assert router.route("def add(a, b):\n    return a + b\n", 40)["serve"] == "awq4"  # code still claims its own

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import threading
 import time
@@ -226,3 +227,80 @@ def test_a_bwrap_that_does_not_build_the_view_is_not_trusted(monkeypatch, tmp_pa
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     level, why = sandbox.isolation_level.__wrapped__()
     assert level == sandbox.NAMESPACES and why.startswith("bwrap cannot build the sandbox") and why.endswith(says)
+
+
+LEVELS = (sandbox.FULL, sandbox.NAMESPACES, sandbox.WEAK)
+CAPPED = Limits(timeout_s=30, cpu_s=5, total_memory_bytes=256 * 2**20, total_write_bytes=16 * 2**20)
+
+
+def _run_at(level: str, code: str, limits: Limits):
+    """Run at `level`: FULL as the machine gives it, the weaker ones by forcing the fallback as above."""
+    with pytest.MonkeyPatch.context() as mp:
+        if level != sandbox.FULL:
+            mp.setattr(sandbox, "isolation_available", lambda: False)
+            mp.setattr(sandbox, "isolation_level", lambda: (level, "forced by the test"))
+        result = run_python(code, limits, allow_unisolated=level != sandbox.FULL)
+    assert result.isolation == level
+    return result
+
+
+def _named(code: str) -> tuple[str, str]:
+    """The program renamed (/proc/self/comm, which its forks inherit) so that its processes, and no one else's,
+    can be looked for afterwards."""
+    name = f"qg{uuid.uuid4().hex[:12]}"
+    return name, f"open('/proc/self/comm', 'w').write({name!r})\n{code}"
+
+
+def _left(name: str) -> list[int]:
+    """Its processes still alive (a killed one is a zombie until its new parent reaps it: dead, holding nothing)."""
+    return [p.pid for p in psutil.process_iter(["name", "status"])
+            if p.info["name"] == name and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_total_memory_of_all_its_processes_is_capped(level):
+    """6 children of 80 MiB each: every one under the 512 MiB address-space cap, 480 MiB together over the
+    program's 256 MiB. Without the program-wide cap it exits 0 once they end, 8 s later."""
+    ours = psutil.Process().memory_info().rss
+    code = ("import os, time\nkids = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        block = b'x' * (80 * 2**20)\n        time.sleep(8)\n        os._exit(0)\n    kids.append(pid)\n"
+            "for pid in kids:\n    os.waitpid(pid, 0)\nprint('all done')\n")
+    name, code = _named(code)
+    r = _run_at(level, code, CAPPED)
+    assert r.status == "failed" and r.reason.startswith("total memory cap 256 MiB exceeded"), r
+    assert "all done" not in r.output and _left(name) == []
+    assert psutil.Process().memory_info().rss - ours < 64 * 2**20
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_total_bytes_written_are_capped(level):
+    """1,000 files of 64 KiB: each under the 1 MiB per-file cap, 62 MiB together over the program's 16 MiB. At FULL
+    they land in its tmpfs (nothing reaches the host's disk), elsewhere in its work directory, removed after."""
+    free = shutil.disk_usage("/tmp").free
+    code = "for n in range(1000):\n    open(f'f{n}', 'wb').write(bytes(2**16))\nprint('all written')\n"
+    name, code = _named(code)
+    r = _run_at(level, code, CAPPED)
+    assert r.status == "failed" and r.reason.startswith("total bytes written cap 16 MiB exceeded"), r
+    assert _left(name) == []  # it may have finished before a poll: the count at its end still fails it
+    assert shutil.disk_usage("/tmp").free > free - 8 * 2**20
+
+
+def test_files_in_its_private_tmp_count_toward_the_total():
+    """At FULL /tmp, /var/tmp and /dev/shm (16 MiB each) add up with the work directory under one total."""
+    code = ("for d in ('/tmp', '/var/tmp', '/dev/shm', '.'):\n    for n in range(6):\n"
+            "        open(f'{d}/f{n}', 'wb').write(bytes(2**20 - 4096))\nprint('all written')\n")
+    under = run_python(code, Limits(timeout_s=15, total_write_bytes=32 * 2**20))
+    assert under.passed, under
+    over = run_python(code, Limits(timeout_s=15, total_write_bytes=16 * 2**20))
+    assert over.status == "failed" and over.reason.startswith("total bytes written cap 16 MiB exceeded"), over
+
+
+def test_without_proc_children_files_the_tree_is_still_found(monkeypatch):
+    """A kernel without /proc/PID/task/TID/children: psutil's scan finds the same processes, the cap still holds."""
+    from pipelines.core import supervisor
+
+    monkeypatch.setattr(supervisor, "CHILDREN_FILES", False)
+    code = "import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        block = b'x' * (80 * 2**20)\n" \
+           "        time.sleep(8)\n        os._exit(0)\ntime.sleep(8)\n"
+    r = run_python(code, Limits(timeout_s=30, total_memory_bytes=128 * 2**20))
+    assert r.status == "failed" and r.reason.startswith("total memory cap 128 MiB exceeded"), r

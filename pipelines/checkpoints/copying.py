@@ -2,7 +2,8 @@
 thread), value-checked and, when admitting, written to the copy. The copy therefore holds exactly the bytes
 that were hashed and checked, with no second read of a shard and no re-hash (docs/quantize.md,
 benchmarks/admission_cost.py); a small file whose sha256 differs from phase 1's, or a shard whose header
-differs, changed in between and is refused."""
+differs, changed in between and is refused. A hub cache snapshot's link is read through `files.open_member`:
+the blob it points to is what is hashed and copied (as a regular file, never a link)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from pipelines.checkpoints.context import Candidate, could_not_check
+from pipelines.checkpoints.files import open_member
 from pipelines.checkpoints.shards import Shard
 from pipelines.checkpoints.tensors import TensorPlan, ValueCheck
 
@@ -47,9 +49,9 @@ class Sink:
         return self.digest.hexdigest()
 
 
-def stream_file(src: Path, dest: Path | None, shard: Shard | None, check: ValueCheck | None,
+def stream_file(folder: Path, rel: str, dest: Path | None, shard: Shard | None, check: ValueCheck | None,
                 pool: ThreadPoolExecutor) -> tuple[str, list[str]]:
-    """(sha256, reasons) after reading `src` once: hash, value checks and copy share each chunk.
+    """(sha256, reasons) after reading folder/rel once: hash, value checks and copy share each chunk.
 
     Two buffers alternate: while the worker thread writes and hashes one, the next is read and checked.
     A safetensors file is read tensor by tensor in header order, so each chunk holds whole elements of one
@@ -70,7 +72,7 @@ def stream_file(src: Path, dest: Path | None, shard: Shard | None, check: ValueC
         pending[turn] = pool.submit(sink.consume, view)
 
     try:
-        with src.open("rb") as fh:
+        with open_member(folder, rel) as fh:
             if hasattr(os, "posix_fadvise"):  # larger read-ahead from a cold disk (Linux)
                 os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             if shard is None:
@@ -133,7 +135,7 @@ def stream_all(folder: Path, files: dict[str, str], shards: dict[str, Shard], pl
     def one(rel: str) -> tuple[str, list[str]]:
         try:
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="admit-hash") as pool:
-                digest, reasons = stream_file(folder / rel, copy_to / rel if copy_to else None, shards.get(rel),
+                digest, reasons = stream_file(folder, rel, copy_to / rel if copy_to else None, shards.get(rel),
                                               check, pool)
             if rel not in shards and digest != checked.get(rel):  # the copy must be the bytes phase 1 checked
                 reasons.append(f"{rel}: changed while being read (its bytes differ from those checked)")

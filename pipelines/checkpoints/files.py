@@ -3,12 +3,17 @@ file read once, hashed and (JSON) parsed.
 
 Loading a checkpoint can run code (pickle, remote code), so code, pickle, other frameworks' weights,
 symlinks, PEFT adapters and unknown files are refused by name; JSON that asks for remote code is refused.
+The one link followed is huggingface_hub's cache layout (a snapshot's file -> its own repo's blobs/<hash>):
+every read opens the blob itself, re-checked at open time and never through another link (`open_member`).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 
 from pipelines.checkpoints.context import Candidate
@@ -33,6 +38,10 @@ PEFT_FILES = {"adapter_config.json", "adapter_model.safetensors"}
 # every non-weights file is read whole in phase 1 (its bytes parsed and hashed); the largest real
 # tokenizer.json files are tens of MB
 MAX_SMALL_BYTES = 256 << 20
+# huggingface_hub's cache (file_download._create_symlink): <cache>/models--org--name/snapshots/<rev>/<file> is a
+# relative link to ../../blobs/<hash> (one more ../ per sub-folder); these are the hub's names, not the project's
+HUB_REPO_PREFIX, HUB_SNAPSHOTS, HUB_BLOBS = "models--", "snapshots", "blobs"
+NO_LINKS = "copy the real files, e.g. `hf download --local-dir`"
 
 
 def classify(rel: str) -> tuple[str | None, str | None]:
@@ -73,7 +82,11 @@ def list_files(folder: Path) -> tuple[dict[str, str], list[str], list[str]]:
     def visit(path: Path) -> None:
         rel = path.relative_to(folder).as_posix()
         if path.is_symlink():
-            reasons.append(f"{rel}: symbolic link refused (copy the real files, e.g. `hf download --local-dir`)")
+            problem = link_problem(folder, rel, hub_blobs(folder))
+            if problem:
+                reasons.append(f"{rel}: symbolic link refused ({problem})")
+            else:
+                accept(rel)
         elif path.is_dir():
             if path.parent == folder and path.name in IGNORED_DIRS:
                 count = sum(1 for p in path.rglob("*") if not p.is_dir())
@@ -87,16 +100,74 @@ def list_files(folder: Path) -> tuple[dict[str, str], list[str], list[str]]:
         elif not path.is_file():
             reasons.append(f"{rel}: not a regular file")
         else:
-            kind, reason = classify(rel)
-            if kind:
-                files[rel] = kind
-            else:
-                reasons.append(reason)
+            accept(rel)
+
+    def accept(rel: str) -> None:
+        kind, reason = classify(rel)
+        if kind:
+            files[rel] = kind
+        else:
+            reasons.append(reason)
 
     for entry in sorted(folder.iterdir()):
         visit(entry)
     hint = download_hint(folder, files, reasons)
     return files, reasons + ([hint] if hint else []), notes
+
+
+def hub_blobs(folder: Path) -> Path | None:
+    """The real path of the repo's blobs/ when `folder` is a snapshot of huggingface_hub's cache, found by its
+    structure (models--*/snapshots/<rev>, blobs/ a real folder beside snapshots/); None for any other folder."""
+    real = Path(os.path.realpath(folder))
+    repo = real.parent.parent
+    if real.parent.name != HUB_SNAPSHOTS or not repo.name.startswith(HUB_REPO_PREFIX):
+        return None
+    blobs = repo / HUB_BLOBS
+    return blobs if blobs.is_dir() and not blobs.is_symlink() else None
+
+
+def link_problem(folder: Path, rel: str, blobs: Path | None) -> str | None:
+    """Why the link `rel` may not be followed; None only for one hop to a regular file in its own repo's blobs/.
+
+    Checked on the link's text, not only its resolution: a chain through another link (in or out of the repo),
+    a symlinked blobs/, another repo's blobs, a directory, a FIFO or a dangling link are all refused.
+    """
+    if blobs is None:
+        return f"not in a huggingface_hub cache snapshot; {NO_LINKS}"
+    link, text, hop = one_hop(folder, rel)
+    if hop.parent != blobs:
+        return f"it points to {text}, outside {blobs}; only a snapshot's links into its own repo's blobs/ are followed"
+    try:
+        mode = os.lstat(hop).st_mode
+    except FileNotFoundError:
+        return f"it points to {text}, which does not exist (an incomplete download?)"
+    if not stat.S_ISREG(mode) or os.path.realpath(link) != str(hop):
+        return f"it points to {text}, which is not a regular file"
+    return None
+
+
+def one_hop(folder: Path, rel: str) -> tuple[Path, str, Path]:
+    """(the link's real path, its text, where that text leads, resolved lexically: one hop, no link followed)."""
+    link = Path(os.path.realpath(folder)) / rel  # its parent folders are real: a linked sub-folder is refused
+    text = os.readlink(link)
+    return link, text, Path(os.path.normpath(link.parent / text))
+
+
+def open_member(folder: Path, rel: str):
+    """An accepted file opened for reading: the file itself, or the hub blob its link points to, re-checked now
+    (a file turned into a link, or a link re-pointed, since the file policy ran is refused, not followed)."""
+    path = folder / rel
+    if path.is_symlink():
+        problem = link_problem(folder, rel, hub_blobs(folder))
+        if problem:
+            raise OSError(errno.ELOOP, f"symbolic link refused ({problem}; changed since it was checked)", str(path))
+        path = one_hop(folder, rel)[2]
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+                 | getattr(os, "O_NONBLOCK", 0))  # a FIFO swapped in is refused below, not waited on
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file (changed since it was checked)", str(path))
+    return os.fdopen(fd, "rb")
 
 
 def download_hint(folder: Path, files: dict[str, str], reasons: list[str]) -> str | None:
@@ -112,8 +183,12 @@ def download_hint(folder: Path, files: dict[str, str], reasons: list[str]) -> st
             patterns.append(f'"*{Path(rel).suffix.lower()}"')
     if not patterns:
         return None
+    exclude = " ".join(dict.fromkeys(patterns))
+    if hub_blobs(folder):  # the hub cache's files are shared by every user of that cache: not to be deleted
+        return (f"{folder}: the safetensors weights are here too, in a hub cache snapshot: download without the other "
+                f"formats into a folder of your own: hf download <repo> --exclude {exclude} --local-dir DIR")
     return (f"{folder}: the safetensors weights are here too: delete the other formats, or download without them: "
-            f"hf download <repo> --exclude {' '.join(dict.fromkeys(patterns))} --local-dir {folder}")
+            f"hf download <repo> --exclude {exclude} --local-dir {folder}")
 
 
 def find_remote_code(data, where: str = "") -> list[str]:
@@ -144,7 +219,7 @@ def read_small(folder: Path, files: dict[str, str]) -> tuple[dict, dict[str, str
     for rel, kind in files.items():
         if kind == "weights":
             continue
-        with (folder / rel).open("rb") as fh:
+        with open_member(folder, rel) as fh:
             raw = fh.read(MAX_SMALL_BYTES + 1)
         if len(raw) > MAX_SMALL_BYTES:
             reasons.append(f"{rel}: larger than {MAX_SMALL_BYTES >> 20} MiB; refused for a {kind} file")

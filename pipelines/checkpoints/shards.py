@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipelines.checkpoints.context import Candidate
+from pipelines.checkpoints.files import open_member
 
 INDEX = "model.safetensors.index.json"
 DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
@@ -46,13 +48,14 @@ def read_header(folder: Path, rel: str) -> tuple[Shard | None, list[str]]:
     """
     from safetensors import SafetensorError, safe_open
 
-    path = folder / rel
-    try:
-        with safe_open(str(path), framework="pt"):
-            pass
-    except (SafetensorError, OSError) as err:
-        return None, [f"{rel}: refused by safetensors ({err})"]
-    with path.open("rb") as fh:
+    with open_member(folder, rel) as fh:  # the file, or the hub blob its link points to (files.py)
+        try:  # safe_open opens by name: this one's /proc name is the very file opened here, never a link's new target
+            with safe_open(f"/proc/self/fd/{fh.fileno()}" if os.path.isdir("/proc/self/fd") else str(folder / rel),
+                           framework="pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            return None, [f"{rel}: refused by safetensors ({err})"]
+        size = os.fstat(fh.fileno()).st_size
         raw_len = fh.read(8)
         (n,) = struct.unpack("<Q", raw_len)
         raw = fh.read(n)
@@ -63,7 +66,7 @@ def read_header(folder: Path, rel: str) -> tuple[Shard | None, list[str]]:
     if not isinstance(table, dict):
         return None, [f"{rel}: header is not a JSON object"]
     table.pop("__metadata__", None)
-    shard = Shard(rel, path.stat().st_size, raw_len + raw, table)
+    shard = Shard(rel, size, raw_len + raw, table)
     # The data pass streams by these offsets; safe_open validated the file through another open, so
     # the bytes kept here are checked again (tiled from 0 to the end, size = shape x dtype).
     end = 0

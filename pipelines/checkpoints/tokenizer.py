@@ -3,10 +3,12 @@ and behave exactly like the base model's (vocabulary, special tokens, chat templ
 
 from __future__ import annotations
 
+import hashlib
+import tempfile
 from pathlib import Path
 
 from pipelines.checkpoints.context import Candidate
-from pipelines.checkpoints.files import TOKENIZER_NAMES
+from pipelines.checkpoints.files import MAX_SMALL_BYTES, TOKENIZER_NAMES, open_member
 
 # Probe strings whose ids must equal the base tokenizer's: English, Chinese, code, math, whitespace, specials.
 TOKENIZER_PROBES = ("The quick brown fox jumps over the lazy dog.", "量化模型的验证流程：检查每一个文件。",
@@ -153,7 +155,27 @@ def tokenizer_length(c: Candidate) -> list[str]:
     return tokenizer_fits(c.config, c.docs)
 
 
+def checked_copy(folder: Path, files: dict[str, str], checked: dict[str, str], dest: Path) -> list[str]:
+    """Every non-weights file copied to `dest` (read as files.open_member reads it), or why not: a file whose
+    bytes differ from the sha256 phase 1 checked changed in between (a rewrite, a link re-pointed)."""
+    for rel, kind in files.items():
+        if kind == "weights":
+            continue
+        with open_member(folder, rel) as fh:
+            raw = fh.read(MAX_SMALL_BYTES + 1)
+        if hashlib.sha256(raw).hexdigest() != checked.get(rel):
+            return [f"{rel}: changed while being read (its bytes differ from those checked)"]
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_bytes(raw)
+    return []
+
+
 def tokenizer_against_base(c: Candidate) -> list[str]:
     """Check: the tokenizer behaves like the base model's. It loads the files through transformers, so it runs
-    only on a folder whose files passed every check before it (no reasons yet)."""
-    return [] if c.reasons else tokenizer_matches_base(c.folder, c.files, c.base_dir)
+    only on a folder whose files passed every check before it (no reasons yet), and on a private copy of the
+    bytes phase 1 hashed: transformers never follows a link itself, and judges the bytes that are copied."""
+    if c.reasons:
+        return []
+    with tempfile.TemporaryDirectory(prefix="quantgate-tokenizer-") as tmp:
+        return checked_copy(c.folder, c.files, c.checked, Path(tmp)) or tokenizer_matches_base(Path(tmp), c.files,
+                                                                                             c.base_dir)

@@ -31,6 +31,25 @@ VARIANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,40}$")
 DERIVED_FROM_REQUESTS = {"calibration": {"sources"}, "coverage": {"classify"}, "evaluate": {"probes", "tasks"}}
 
 
+class AuditParams(Section):
+    """`quantgate audit` (and `gate --audit`): how much recorded evidence is re-measured, and how far a re-measured
+    number may sit from its record (docs/record-gate.md, "Audit": the tolerances are set above measured noise)."""
+
+    items: int = Field(8, ge=4)  # per variant x request type: recorded items re-generated and re-scored
+    texts: int = Field(2, gt=0)  # per variant x request type: fidelity texts re-measured
+    logprob_tolerance: float = Field(0.25, gt=0, le=0.5)  # nats: a log-likelihood or a per-token log-prob
+    kl_tolerance: float = Field(0.025, gt=0, le=0.1)  # nats: a per-token KL (a tenth of the shipped max_kl at most)
+    # re-scored items of one variant x request type that may disagree (a near tie decoded the other way in a batch of
+    # other neighbours); more is refused. 0 refuses any. Measured: docs/record-gate.md, "Audit"
+    max_mismatched_items: int = Field(1, ge=0, le=2)
+
+    @model_validator(mode="after")
+    def _can_refuse(self):
+        if 2 * self.max_mismatched_items >= self.items:
+            raise ValueError(f"audit.max_mismatched_items ({self.max_mismatched_items}) must be under half of "
+                             f"audit.items ({self.items}): otherwise the item check can never refuse")
+        return self
+
 class Params(Section):
     """The whole of params.yaml.
 
@@ -53,6 +72,7 @@ class Params(Section):
     route: RouteParams = RouteParams()
     mlflow: MlflowParams = MlflowParams()
     fanout: FanoutParams = FanoutParams()
+    audit: AuditParams = AuditParams()
 
     @field_validator("requests")
     @classmethod

@@ -6,15 +6,43 @@ params modules: params_sections builds the per-stage sections on these models, p
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
-    """A params.yaml section: unknown keys are errors, so a typo never silently means 'default'."""
+    """A params.yaml section: unknown keys are errors, so a typo never silently means 'default'; NaN and infinity are
+    refused everywhere (a NaN limit compares false both ways, an infinite one switches its check off)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+
+def bounded(low: float | None, high: float | None, why: str, *, low_open: bool = False,
+            high_open: bool = False) -> AfterValidator:
+    """A limit's allowed range, refused with the range and the reason for it: a limit outside it switches its check
+    off (or makes it vacuous), so it is an error, never a setting. None (a key left to its default) passes."""
+    interval = (("(" if low_open else "[") + ("-inf" if low is None else f"{low:g}") + ", "
+                + ("inf" if high is None else f"{high:g}") + (")" if high_open else "]"))
+
+    def check(value):
+        if value is None:
+            return value
+        too_low = low is not None and (value <= low if low_open else value < low)
+        too_high = high is not None and (value >= high if high_open else value > high)
+        if too_low or too_high:
+            raise ValueError(f"must be in {interval}: {why}")
+        return value
+
+    return AfterValidator(check)
+
+
+def listed_once(value: list[str]) -> list[str]:
+    """A list of request types named at most once each (a duplicate would be sampled or judged twice)."""
+    twice = sorted({d for d in value if value.count(d) > 1})
+    if twice:
+        raise ValueError(f"{twice[0]!r} is listed twice: name each request type once")
+    return value
 
 
 REQUEST_NAME = re.compile(r"^[a-z][a-z0-9_]{0,40}$")
@@ -108,10 +136,25 @@ DEFAULT_CLASSIFY = {
     "math": ClassifyParams(patterns={
         "symbol": r"[√×÷±≤≥≠π∑∫²³]|\\(frac|sqrt|times|div|cdot|sum|int|pi|le|ge)\b|\^\d",
         "arithmetic": r"\d\s*[-+*/×÷^=]\s*[\d(√\\]|\(\s*\d",
-        "ask": r"(?i)\b(solve|compute|calculate|simplify|evaluate|equation|fraction|square root)\b|计算|求解|等于多少"},
-        when="symbol + arithmetic >= 2 or (symbol + arithmetic >= 1 and (ask >= 1 or chars < 40))", priority=10),
+        "ask": r"(?i)\b(solve|compute|calculate|simplify|evaluate|equation|fraction|square root)\b|计算|求解|等于多少",
+        "stamp": r'\d{4}-\d\d-\d\d|\d\d?:\d\d|\d+(\.\d+){2,}|[;|$"`]|[a-z]{2,}=\S|\n\s*\n'},  # dates, versions, syntax
+        when="(symbol + arithmetic >= 2 or (symbol + arithmetic >= 1 and (ask >= 1 or chars < 40))) and stamp == 0",
+        priority=10),
     "code": ClassifyParams(when="code_lines >= 2", priority=20),
-    "chat": ClassifyParams(when="true", priority=0),
+    # conversational text, and nothing else: what no type claims is `unknown`, served by fp16
+    "chat": ClassifyParams(patterns={
+        "talk": r"(?i)\b(i|i'm|i'd|i've|my|me|we|our|us|you|your|please|thanks?|hi|hello|hey|can|could|would|will|is|"
+                r"are|do|does|did|how|where|when|why|what|which|who|help|need|want)\b|[?!]|[我你您请吗呢吧帮怎哪了]|"
+                r"[\u4e00-\u9fff][。？！]",
+        "payload": r"[{}<>|=$`\\\t]|;\S|(?m:;[ \t]*$)|\[(?!(EMAIL|ID|CARD|PHONE)\])|://|\w\(|\w,\w|\d{4}-\d\d-\d\d|"
+                   r"\d\d:\d\d|(^|\s)--?[a-zA-Z]|(?m:^[ \t-]*(?!(Customer|Agent|User|Assistant):)[A-Za-z][\w.-]*:(\s|$))|"
+                   r"\):(\s|$)|\n\s*\n|\w(Error|Exception)\b|\bERR!|\b(ERROR|FATAL|WARN|WARNING)\b",
+        "task": r"(?i)\b(translat\w*|summar\w*|paraphras\w*|rephrase|rewrite|proofread|extract|classify|sentiment|"
+                r"keywords)\b|翻译|总结|摘要|改写|提取|[\u4e00-\u9fff]：",
+        "query": r"(?i)\bselect\b.+\bfrom\b|\binsert\s+into\b|\bupdate\s+\w+\s+set\b|\bdelete\s+from\b|"
+                 r"\bcreate\s+(table|index|view)\b",
+        "newline": r"\n"},
+        when="talk >= 1 and payload + task + query + code_lines + comment_lines == 0 and newline <= 8", priority=0),
     "code_comment": ClassifyParams(patterns={
         "ask": r"(?i)\b(comment|comments|commented|docstring|docstrings|document (this|the) (code|function)|"
                r"annotate)\b|注释|文档字符串"},
@@ -150,12 +193,28 @@ KL_PERCENTILES = ("mean", "median", "p90", "p95", "p99", "p99_9", "max")
 class PolicyParams(Section):
     """Gate limits for one domain; a key left out comes from `compare.policy.default`."""
 
-    max_accuracy_drop: float | None = Field(None, ge=0, le=1)  # non-inferiority margin, judged on the CI's low end
-    max_flip_rate: float | None = Field(None, ge=0, le=1)  # (correct->wrong + wrong->correct) / items
+    # Bounds (docs/params.md, "Allowed ranges"): the same for compare.policy.default and requests.<name>.policy
+    # non-inferiority margin, judged on the CI's low end
+    max_accuracy_drop: Annotated[float | None, bounded(
+        0, 0.5, "0 is no margin at all; from 0.5 on, a variant that answers nothing right passes every probe fp16 "
+                "scores at most 50 % on", low_open=True, high_open=True)] = None
+    # (correct->wrong + wrong->correct) / items
+    max_flip_rate: Annotated[float | None, bounded(0, 1, "a flip rate is a share of items; 0 fails a variant on a "
+                                                         "single flip, 1 never fails one", low_open=True,
+                                                   high_open=True)] = None
     kl_percentile: Literal["mean", "median", "p90", "p95", "p99", "p99_9", "max"] | None = None
-    max_kl: float | None = Field(None, ge=0)  # nats, at kl_percentile
-    max_growth_excess_pct: float | None = None  # soak growth beyond fp16's, % of fp16's footprint
-    min_memory_saving_pct: float | None = None  # below this saving a passing variant is not worth routing to
+    # nats, at kl_percentile
+    max_kl: Annotated[float | None, bounded(
+        0, 5, "0 fails on float noise; at most 5 nats (ln 148), so on any vocabulary over 148 tokens a variant whose "
+              "next-token distribution is uniform (says nothing) still fails where fp16 is sure", low_open=True)] = None
+    # soak growth beyond fp16's, % of fp16's footprint; also at most min_memory_saving_pct (CompareParams)
+    max_growth_excess_pct: Annotated[float | None, bounded(
+        0, 100, "a variant saves less than 100 % of fp16's footprint, so an allowance of 100 % or more lets its growth "
+                "cancel any saving", high_open=True)] = None
+    # below this saving a passing variant is not worth routing to
+    min_memory_saving_pct: Annotated[float | None, bounded(
+        0, 100, "a negative saving routes variants that cost more memory than fp16; 100 % is no memory at all",
+        high_open=True)] = None
 
 
 DEFAULT_POLICY = PolicyParams(max_accuracy_drop=0.05, max_flip_rate=0.15, kl_percentile="p99", max_kl=1.0,

@@ -6,13 +6,13 @@ rules, probes, tasks, policies) are params_requests' models, filled from `reques
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from pipelines.core.params_requests import (DEFAULT_CLASSIFY, DEFAULT_POLICY, DEFAULT_PROBES, DEFAULT_SOURCES,
                                             ClassifyParams, PolicyParams, ProbeParams, Section, SourceParams,
-                                            TaskParams)
+                                            TaskParams, bounded, listed_once)
 
 
 class ReferenceParams(Section):
@@ -63,19 +63,28 @@ class CalibrationParams(Section):
     # from requests.<name>.calibration (Params fills it; params.yaml declares sources only there)
     sources: list[SourceParams] = Field(default_factory=lambda: list(DEFAULT_SOURCES))
 
+    _exclude_once = field_validator("exclude")(listed_once)
+
     @model_validator(mode="after")
     def _check(self):
         types = sorted({s.domain for s in self.sources})
-        unknown = [d for d in [*self.exclude, *self.weights] if d not in types]
-        if unknown:
-            raise ValueError(f"unknown request type {unknown[0]!r} in calibration.exclude or weights; declared: "
-                             f"{', '.join(types)}")
+        for key, names in (("exclude", self.exclude), ("weights", list(self.weights))):
+            unknown = [d for d in names if d not in types]
+            if unknown:
+                raise ValueError(f"unknown request type {unknown[0]!r} in calibration.{key}; declared: "
+                                 f"{', '.join(types)}")
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens {self.min_tokens} is above max_tokens {self.max_tokens}")
-        if any(w < 0 for w in self.weights.values()):
-            raise ValueError("weights must be >= 0")
+            raise ValueError(f"calibration.min_tokens {self.min_tokens} is above calibration.max_tokens {self.max_tokens}")
+        negative = [d for d, w in self.weights.items() if w < 0]
+        if negative:
+            raise ValueError(f"calibration.weights.{negative[0]}: must be >= 0 (0 leaves the type out)")
         if not self.domains:
             raise ValueError("every request type is excluded or has weight 0")
+        total = sum(self.weight(d) for d in self.domains)
+        starved = [d for d in self.domains if self.samples * self.weight(d) / total < 1]  # silently left out
+        if starved:
+            raise ValueError(f"calibration.samples {self.samples} gives {starved[0]!r} (weight {self.weight(starved[0]):g})"
+                             " no sample: raise samples or its weight, or exclude it")
         return self
 
     @property
@@ -93,11 +102,14 @@ class CoverageParams(Section):
 
     traffic: str = "calibration_sets/traffic/production_sample.jsonl"
     text_field: str = "text"
-    min_share_ratio: float = Field(0.5, ge=0)
+    min_share_ratio: Annotated[float, bounded(0, 1, "0 never flags a gap", low_open=True)] = 0.5  # x production share
     ngram: int = Field(3, gt=0)
     on_gap: Literal["warn", "fail"] = "warn"
-    min_classifier_accuracy: float = Field(0.8, ge=0, le=1)  # flag a request type the classifier recognises less often
+    min_classifier_accuracy: Annotated[float, bounded(0, 1, "0 never flags a type", low_open=True)] = 0.8  # flag below
     label_field: str = "label"  # the traffic sample's field that holds each request's true type (if labelled)
+    # flag when more of the production sample than this is `unknown` (served by fp16, measured by no probe); 1 would
+    # never flag, so it is refused (docs/params.md)
+    max_unknown_share: float = Field(0.1, ge=0, lt=1)
     # from requests.<name>.classify (Params fills it): the classifier's rules, one entry per request type
     classify: dict[str, ClassifyParams] = Field(default_factory=lambda: dict(DEFAULT_CLASSIFY))
 
@@ -172,8 +184,10 @@ class MemoryParams(Section):
     alternations: int = Field(4, ge=2)  # short/long requests alternating per round
     long_fraction: float = Field(0.9, gt=0, le=1)
     short_fraction: float = Field(0.1, gt=0, le=1)
-    leak_tolerance_pct: float = Field(1.0, gt=0)  # unsettled growth over `rounds` rounds, % of the load footprint
-    noise_floor_bytes: int = Field(8192, ge=0)  # rises above a settled level up to this are noise (docs/memory.md)
+    # unsettled growth over `rounds` rounds, % of the load footprint; rises above a settled level up to the floor are
+    # noise (docs/memory.md). Why these bounds: docs/params.md, "Allowed ranges"
+    leak_tolerance_pct: Annotated[float, bounded(0, 5, "the incident grew 3-5 %", low_open=True)] = 1.0
+    noise_floor_bytes: Annotated[int, bounded(0, 16384, "a floor F hides a leak of F / (tail_rounds - 1) a round")] = 8192
     timeout_seconds: int = Field(1800, gt=0)  # the measuring process is killed after this
     sweep_batch: int = Field(8, gt=0)
     threads: int = Field(2, gt=0)
@@ -181,10 +195,12 @@ class MemoryParams(Section):
     @model_validator(mode="after")
     def _check(self):
         if not self.seq_fractions or any(not 0 < f <= 1 for f in self.seq_fractions):
-            raise ValueError("seq_fractions must be fractions in (0, 1]")
+            raise ValueError("memory.seq_fractions must be fractions in (0, 1]")
         if not self.tail_rounds <= self.rounds <= self.max_rounds:
-            raise ValueError(f"need tail_rounds <= rounds <= max_rounds, got {self.tail_rounds}, {self.rounds}, "
-                             f"{self.max_rounds}")
+            raise ValueError(f"need memory.tail_rounds <= memory.rounds <= memory.max_rounds, got {self.tail_rounds}, "
+                             f"{self.rounds}, {self.max_rounds}")
+        if self.short_fraction >= self.long_fraction:  # the soak alternates short and long requests
+            raise ValueError(f"memory.short_fraction {self.short_fraction:g} must be below long_fraction {self.long_fraction:g}")
         return self
 
 
@@ -262,7 +278,8 @@ class EvaluateParams(Section):
     look_items: int = Field(200, gt=0)  # the first look judges this many items
     max_looks: int = Field(3, ge=1)  # looks up to the cap, evenly spaced; fewer looks, more false-pass budget each
     max_items: int | None = Field(None, gt=0)  # cap on the items a domain is judged on; None = the whole pool
-    fidelity_texts: int = Field(50, gt=0)  # held-out texts per domain
+    # held-out texts per domain; too few to give KL its 100 tokens leave the row undecided (judging/verdict.py)
+    fidelity_texts: int = Field(50, gt=0)
     top_k: int = Field(64, gt=0)  # stored base log-probs per token
     # from requests.<name> (Params fills them): each type's probes, and standard lm-eval tasks judged beside them as
     # rows `<domain>:<task>` (docs/evaluate.md)
@@ -270,11 +287,19 @@ class EvaluateParams(Section):
     tasks: dict[str, list[TaskParams]] = {}
     timeout_seconds: int = Field(21600, gt=0)  # a model's evaluating process is killed after this (baseline: fatal)
 
+    @field_validator("domains")
+    @classmethod
+    def _domains(cls, value: list[str]):
+        if not value:
+            raise ValueError("empty: evaluating nothing would let the gate decide on nothing (leave the key out: all)")
+        return listed_once(value)
+
     @model_validator(mode="after")
     def _check_tasks(self):
-        unknown = [d for d in [*self.domains, *self.tasks] if d not in self.probes]
-        if unknown:
-            raise ValueError(f"unknown request type {unknown[0]!r} in evaluate; declared: {', '.join(self.probes)}")
+        for key, names in (("domains", self.domains), ("tasks", list(self.tasks))):
+            unknown = [d for d in names if d not in self.probes]
+            if unknown:
+                raise ValueError(f"unknown request type {unknown[0]!r} in evaluate.{key}; declared: {', '.join(self.probes)}")
         seen: set[str] = set()
         for domain, specs in self.tasks.items():
             if specs and domain not in self.domains:
@@ -289,7 +314,8 @@ class EvaluateParams(Section):
 class CompareParams(Section):
     """Paired A/B of every variant against fp16 and the gate policy that turns it into verdicts."""
 
-    confidence: float = Field(0.95, gt=0.5, lt=1)  # two-sided; (1 - confidence) / 2 is the false-pass rate at the margin
+    # two-sided; (1 - confidence) / 2 is the false-pass rate at the margin
+    confidence: Annotated[float, bounded(0.8, 1, "below 0.8 the false-pass rate is over 10 %", high_open=True)] = 0.95
     spending: Literal["pocock", "obrien_fleming"] = "pocock"  # how looks share that rate (Lan-DeMets)
     power: float = Field(0.8, gt=0.5, lt=1)  # planning only: the items that would decide at this power
     policy: dict[str, PolicyParams] = Field(default_factory=lambda: {"default": DEFAULT_POLICY})
@@ -305,6 +331,13 @@ class CompareParams(Section):
         missing = [k for k, v in DEFAULT_POLICY.model_dump().items() if default is None or getattr(default, k) is None]
         if missing:
             raise ValueError(f"policy.default must set every limit; missing {', '.join(missing)}")
+        for name in self.policy:  # each request type's limits as the verdict merges them
+            merged = self.policy_for(name)
+            if merged.max_growth_excess_pct > merged.min_memory_saving_pct:
+                where = "compare.policy.default" if name == "default" else f"requests.{name}.policy"
+                raise ValueError(f"{where}: max_growth_excess_pct {merged.max_growth_excess_pct:g} must be at most "
+                                 f"min_memory_saving_pct {merged.min_memory_saving_pct:g}, or a passing variant costs "
+                                 "more memory than fp16 by the end of the soak horizon")
         return self
 
     def policy_for(self, domain: str) -> PolicyParams:
@@ -321,12 +354,12 @@ class RouteParams(Section):
 
     context_buckets: list[int] = [64, 128, 256]
 
-    @model_validator(mode="after")
-    def _check(self):
-        if not self.context_buckets or any(b <= 0 for b in self.context_buckets) \
-                or self.context_buckets != sorted(set(self.context_buckets)):
-            raise ValueError("context_buckets must be positive token counts in increasing order")
-        return self
+    @field_validator("context_buckets")
+    @classmethod
+    def _buckets(cls, value: list[int]):
+        if not value or any(b <= 0 for b in value) or any(a >= b for a, b in zip(value, value[1:])):
+            raise ValueError(f"must be positive token counts in strictly increasing order, got {value}")
+        return value
 
 
 class FanoutResources(Section):
@@ -349,5 +382,5 @@ class FanoutParams(Section):
 class MlflowParams(Section):
     """Where `record` writes: the experiment, and the registered model that passing variants join."""
 
-    experiment: str = "quantgate"
-    registered_model: str | None = None  # None: quantgate-<model>, e.g. quantgate-reference
+    experiment: str = Field("quantgate", min_length=1)
+    registered_model: str | None = Field(None, min_length=1)  # None: quantgate-<model>, e.g. quantgate-reference

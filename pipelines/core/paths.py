@@ -38,6 +38,7 @@ MEMORY_RESULTS = RESULTS / "memory"  # memory: <variant>.json
 MEMORY_SUMMARY = RESULTS / "memory_summary.json"  # memory-report: compare and record read it
 BASELINE_RESULTS = RESULTS / "baseline"  # baseline: fp16's answers to every look
 FIDELITY_BASE = BASELINE_RESULTS / "fidelity.safetensors"  # baseline: fp16's next-token distributions
+FIDELITY_TEXTS = "fidelity.jsonl"  # baseline/ and eval/<variant>/: per-text KL, log-probs, top-1 (audit re-measures)
 EVAL_RESULTS = RESULTS / "eval"  # evaluate: <variant>.json and <variant>/items.jsonl
 COMPARE_REPORT = RESULTS / "compare.json"  # compare: verdicts and the numbers behind them
 SUMMARY = RESULTS / "summary.json"  # compare: DVC's only metrics file, the decision in a few columns
@@ -47,7 +48,11 @@ ROUTING_TABLE = RESULTS / "routing_table.json"  # route: request type x context 
 MLFLOW_RUN = RESULTS / "mlflow_run.json"  # record writes it, gate reads it
 GATE_RESULT = RESULTS / "gate.json"
 GATE_REPORT = RESULTS / "report.md"
+AUDIT_RESULT = RESULTS / "audit.json"  # quantgate audit: the sample, its seed, what disagreed
 
 # the default MLflow store (no MLFLOW_TRACKING_URI): beside dvc.yaml, at the repository root
 MLFLOW_DB = "mlflow.db"
 MLARTIFACTS = "mlartifacts"
+
+# Ray's own (2.60): where its driver and `ray start` read the token last (quantgate fanout writes one there, 0600)
+RAY_DEFAULT_TOKEN = "~/.ray/auth_token"

@@ -1,8 +1,10 @@
 """The doctor's rows for the tools the run drives: the MLflow tracking store the record stage writes to, and dvc.
-Each is reached the cheapest way that proves it works (a folder's write bit, a /health reply, an open port)."""
+Each is reached the cheapest way that proves it works (a folder's write bit, a /health reply and one logged-in API
+call, an open port)."""
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import socket
@@ -52,7 +54,7 @@ def mlflow_check(uri: str | None = None) -> Check:
         try:
             with urllib.request.urlopen(health, timeout=MLFLOW_TIMEOUT_S) as reply:
                 if reply.status == 200:
-                    return Check("mlflow", OK, f"{where} (mlflow {version}): server answers {health}")
+                    return _login_check(uri, f"{where} (mlflow {version}): server answers {health}")
                 said = f"HTTP {reply.status}"
         except urllib.error.HTTPError as err:
             said = f"HTTP {err.code}"
@@ -75,6 +77,37 @@ def mlflow_check(uri: str | None = None) -> Check:
             return Check("mlflow", FAIL, f"{where}: {folder} is not writable", fix)
         return Check("mlflow", OK, f"{where} (mlflow {version}): folder store, writable")
     return Check("mlflow", WARN, f"{where}: a {scheme} store, not checked here")
+
+
+def _login_check(uri: str, answered: str) -> Check:
+    """/health is public even behind MLflow's login: one API call with the login MLflow's clients send
+    (MLFLOW_TRACKING_USERNAME/PASSWORD) shows whether record, gate and fetch will get in, and whether the server
+    lets anyone in."""
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    request = urllib.request.Request(uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1")
+    if user and password:
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=MLFLOW_TIMEOUT_S) as reply:
+            code = reply.status
+    except urllib.error.HTTPError as err:
+        code = err.code
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        return Check("mlflow", FAIL, f"{answered}, but its API does not ({getattr(err, 'reason', err)})")
+    if code == 200 and user and password:
+        return Check("mlflow", OK, f"{answered}; logged in as {user}")
+    if code == 200:
+        return Check("mlflow", WARN, f"{answered}, and serves anyone without a login: whoever reaches it can move "
+                                     "`production`", "start it with MLflow's login: python scripts/mlflow_server.py start")
+    if code == 401 and not (user and password):
+        return Check("mlflow", FAIL, f"{answered}; it requires a login and none is set",
+                     "export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (scripts/mlflow_server.py start "
+                     "prints them)")
+    if code in (401, 403):
+        return Check("mlflow", FAIL, f"{answered}; it refuses the login of {user} (HTTP {code})",
+                     "check MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")
+    return Check("mlflow", FAIL, f"{answered}, but its API answers HTTP {code}: not an MLflow tracking server?")
 
 
 def dvc_check() -> Check:

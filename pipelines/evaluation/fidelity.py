@@ -82,48 +82,77 @@ def _stats(values: np.ndarray) -> dict:
             **{name: float(np.percentile(values, q)) for name, q in PERCENTILES.items()}}
 
 
+def _kl(q_lp: torch.Tensor, top_lp: torch.Tensor, top_ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Per scored token: KL(base || variant) over the base's top-k plus one bucket, and whether the base's top
+    token is (one of) the variant's most likely (ties count as agreement)."""
+    p_top = top_lp.exp()
+    q_top = q_lp.gather(1, top_ids).exp()
+    p_rest = (1 - p_top.sum(-1)).clamp_min(0)
+    q_rest = (1 - q_top.sum(-1)).clamp_min(1e-12)
+    kl = (p_top * (top_lp - q_top.clamp_min(1e-12).log())).sum(-1)
+    kl = kl + torch.where(p_rest > 1e-9, p_rest * (p_rest.clamp_min(1e-12).log() - q_rest.log()), torch.zeros_like(kl))
+    same = (q_lp.gather(1, top_ids[:, :1]).squeeze(1) >= q_lp.max(dim=-1).values).float().numpy()
+    return kl.clamp_min(0).numpy(), same
+
+
 @torch.no_grad()
+def text_values(model, base: dict, domain: str, indices: list[int] | None = None, device: str = "cpu") -> list[dict]:
+    """Per stored text (all, or `indices`): its per-token KL, the variant's log-prob of each correct token and
+    top-1 agreement. What evaluate records per text, and what `quantgate audit` re-measures on a sample."""
+    lengths = base[f"{domain}.lengths"].tolist()
+    flat = base[f"{domain}.input_ids"].tolist()
+    starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()  # into input_ids
+    scored = np.concatenate([[0], np.cumsum([n - 1 for n in lengths])]).tolist()  # into the per-token tensors
+    rows = []
+    for j in range(len(lengths)) if indices is None else indices:
+        ids = flat[starts[j]: starts[j + 1]]
+        lp = _log_probs(model, ids, device)
+        a, b = scored[j], scored[j + 1]
+        kl, same = _kl(lp, base[f"{domain}.top_logprobs"][a:b].float(), base[f"{domain}.top_ids"][a:b].long())
+        rows.append({"domain": domain, "text": j, "tokens": len(ids) - 1, "kl": kl.tolist(),
+                     "logprob": lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist(),
+                     "same_top1": same.astype(int).tolist()})
+    return rows
+
+
+def summary(rows: list[dict], base: dict, domain: str) -> dict:
+    """A domain's fidelity numbers from its per-text rows (all of them, in text order) and the base file: KL mean
+    ± SE and percentiles, same top-1 ± SE, RMS Δp, PPL(Q)/PPL(base). The gate's audit recomputes it from the
+    records, so a summary edited apart from its per-text rows is found."""
+    kl = np.array([v for r in rows for v in r["kl"]], dtype=np.float32)
+    same = np.array([v for r in rows for v in r["same_top1"]], dtype=np.float32)
+    q_correct = torch.tensor([v for r in rows for v in r["logprob"]], dtype=torch.float32)
+    base_correct = base[f"{domain}.correct_logprob"]
+    if len(q_correct) != len(base_correct):
+        raise ValueError(f"fidelity {domain}: {len(q_correct)} scored tokens recorded, the base file has "
+                         f"{len(base_correct)}")
+    dp = (q_correct.exp() - base_correct.exp()).numpy()
+    n_tok = len(kl)
+    ln_ratio = float((base_correct - q_correct).mean())  # mean NLL(Q) - mean NLL(base)
+    return {
+        "tokens": n_tok,
+        "kl": _stats(kl),
+        "same_top1": float(same.mean()),
+        "same_top1_stderr": float(math.sqrt(same.mean() * (1 - same.mean()) / n_tok)),
+        "rms_delta_p": float(np.sqrt((dp**2).mean())),
+        "mean_delta_p": float(dp.mean()),
+        "ppl_base": float(math.exp(-base_correct.mean())),
+        "ppl_q": float(math.exp(-q_correct.mean())),
+        "ln_ppl_ratio": ln_ratio,
+        "ppl_ratio": float(math.exp(ln_ratio)),
+    }
+
+
 def compare(model, base: dict, domains: list[str], device: str = "cpu") -> dict:
-    """Per domain: KL mean ± SE and percentiles, same top-1 ± SE, RMS Δp, PPL(Q)/PPL(base)."""
+    """Per domain: the summary (KL mean ± SE and percentiles, same top-1 ± SE, RMS Δp, PPL(Q)/PPL(base)) and,
+    under `per_text`, the per-text rows it was computed from (evaluate writes those beside the per-item records)."""
     report = {}
     for domain in domains:
-        lengths = base[f"{domain}.lengths"].tolist()
-        flat = base[f"{domain}.input_ids"].tolist()
-        top_lp = base[f"{domain}.top_logprobs"].float()
-        top_ids = base[f"{domain}.top_ids"].long()
-        base_correct = base[f"{domain}.correct_logprob"]
-        kls, q_correct = [], []
-        start = 0
-        for n in lengths:
-            ids = flat[start : start + n]
-            start += n
-            lp = _log_probs(model, ids, device)
-            q_correct.append(lp[torch.arange(n - 1), torch.tensor(ids[1:])])
-            kls.append(lp)
-        q_lp = torch.cat(kls)
-        q_correct_t = torch.cat(q_correct)
-        p_top = top_lp.exp()
-        q_top = q_lp.gather(1, top_ids).exp()
-        p_rest = (1 - p_top.sum(-1)).clamp_min(0)
-        q_rest = (1 - q_top.sum(-1)).clamp_min(1e-12)
-        kl = (p_top * (top_lp - q_top.clamp_min(1e-12).log())).sum(-1)
-        kl = kl + torch.where(p_rest > 1e-9, p_rest * (p_rest.clamp_min(1e-12).log() - q_rest.log()), torch.zeros_like(kl))
-        kl = kl.clamp_min(0).numpy()
-        # the base's top token is also (one of) the variant's most likely: ties count as agreement
-        same = (q_lp.gather(1, top_ids[:, :1]).squeeze(1) >= q_lp.max(dim=-1).values).float().numpy()
-        dp = (q_correct_t.exp() - base_correct.exp()).numpy()
-        n_tok = len(kl)
-        ln_ratio = float((base_correct - q_correct_t).mean())  # mean NLL(Q) - mean NLL(base)
-        report[domain] = {
-            "tokens": n_tok,
-            "kl": _stats(kl),
-            "same_top1": float(same.mean()),
-            "same_top1_stderr": float(math.sqrt(same.mean() * (1 - same.mean()) / n_tok)),
-            "rms_delta_p": float(np.sqrt((dp**2).mean())),
-            "mean_delta_p": float(dp.mean()),
-            "ppl_base": float(math.exp(-base_correct.mean())),
-            "ppl_q": float(math.exp(-q_correct_t.mean())),
-            "ln_ppl_ratio": ln_ratio,
-            "ppl_ratio": float(math.exp(ln_ratio)),
-        }
+        rows = text_values(model, base, domain, None, device)
+        report[domain] = {**summary(rows, base, domain), "per_text": rows}
     return report
+
+
+def pop_texts(result: dict) -> list[dict]:
+    """Take the per-text rows out of an evaluation result (they go to their own file): every domain's, in order."""
+    return [row for fid in (result.get("fidelity") or {}).values() for row in fid.pop("per_text", [])]

@@ -197,7 +197,8 @@ def _literal_return(path: Path, function: str) -> list[dict]:
 
 # code_eval's check_correctness: `exec(program, {})` with a time limit in a child process; any exception,
 # SystemExit included, is a failure (so `if __name__ == "__main__":` blocks do not run and sys.exit(0) does
-# not pass), and so is a child that ends without reporting (os._exit: disabled here, a failure either way)
+# not pass), and so is a child that ends without reporting (os._exit: disabled here; posix._exit or a signal
+# still end it, without the sandbox runner's token, so run_python fails them too)
 _EXEC = "import os, sys\nos._exit = None\ntry:\n    exec(compile({program!r}, '<program>', 'exec'), {{}})\n" \
         "except BaseException as err:\n    print(type(err).__name__, err)\n    sys.exit(1)\n"
 

@@ -143,6 +143,9 @@ def compare_domain(base_rows: dict[str, dict], var_rows: dict[str, dict], probe:
 
 def _more_items_advice(need: float | None, paired: dict, power: float, pool: int, task: str | None = None) -> str:
     """What an inconclusive row tells the user to do."""
+    if paired.get("degrees_of_freedom") == 0:
+        return ("more items of the same family decide nothing: add items from other families (a `family` per item in "
+                "the domain's eval/<domain>/items.jsonl; with 2-5 families the interval stays wide, docs/compare.md)")
     if need is None:
         return "no number of items would decide at the observed difference"
     more = max(1, math.ceil(need) - paired["items"])

@@ -49,6 +49,9 @@ def accuracy_rule(paired: dict, margin: float) -> tuple[str, str]:
         return PASS, f"accuracy interval {interval} stays above -{margin:.3f}"
     if diff < -margin:
         return FAIL, f"accuracy drops {-diff:.3f} > margin {margin:.3f}, interval {interval}"
+    if paired.get("degrees_of_freedom") == 0:  # stats.paired_comparison: every item in one family
+        return UNDECIDED, (f"one family: all {paired['items']} items share one family, so the accuracy difference "
+                           "cannot be judged from within-family variation (the interval is [-1, +1])")
     return UNDECIDED, f"accuracy interval {interval} straddles -{margin:.3f}"
 
 

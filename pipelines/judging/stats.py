@@ -5,10 +5,12 @@ lm-eval issue #3831). The interval of the accuracy difference is Tango's score i
 proportions (Tango 1998, Stat Med 17:891): it inverts the score test, so "the interval's low end is
 above -margin" is exactly "the non-inferiority score test rejects at the margin", and it stays honest
 with 0-3 discordant items where a percentile bootstrap collapses to a point. Items that come in
-families (one template, one kind of math) are not independent: a cluster-robust design effect
-(Miller 2024, arXiv 2411.00640) shrinks the counts to their effective size before the interval is
-taken (Kish's effective sample size), and with few families the limits use Student's t with one
-degree of freedom fewer than there are families (Cameron & Miller 2015). Looks at a growing number of items spend the false-pass rate
+families (one template, one kind of math) are not independent: a cluster-robust (CR2) design effect
+(Miller 2024, arXiv 2411.00640; Bell & McCaffrey 2002) shrinks the counts to their effective size before the
+interval is taken (Kish's effective sample size), and the limits use Student's t with the Bell-McCaffrey degrees
+of freedom (G - 1 for G equal families, fewer when one family dominates; Imbens & Kolesar 2016). One family
+leaves no between-family variance to estimate: zero degrees of freedom, the interval is all of [-1, 1], and the
+rule cannot pass. Looks at a growing number of items spend the false-pass rate
 with a Lan-DeMets function (Pocock or O'Brien-Fleming type), so adding items where the first look
 was undecided keeps the error rate of the whole procedure.
 """
@@ -35,11 +37,14 @@ def flips(base: np.ndarray, variant: np.ndarray) -> dict:
 
 
 def mcnemar_exact(lost: int, gained: int) -> float:
-    """Two-sided exact McNemar p-value: a binomial test of the discordant pairs against 1/2."""
+    """Two-sided exact McNemar p-value: a binomial test of the discordant pairs against 1/2. Binomial(d, 1/2) is
+    symmetric, so the two-sided p is 2 P(X <= min(lost, gained)), capped at 1, in exact integers (scipy's
+    binomtest gives the same number at forty times the cost, most of a simulated judgement's time)."""
     discordant = lost + gained
     if discordant == 0:
         return 1.0
-    return float(stats.binomtest(lost, discordant, 0.5).pvalue)
+    tail = sum(math.comb(discordant, i) for i in range(min(lost, gained) + 1))
+    return min(1.0, 2 * tail / 2**discordant)
 
 
 def tango_statistic(delta: float, gained: float, lost: float, n: float) -> float:
@@ -65,11 +70,14 @@ def tango_interval(gained: float, lost: float, n: float, confidence: float = 0.9
     """Two-sided score interval of the paired difference (variant - fp16), at `confidence`.
 
     Each limit is where the score statistic equals -/+ the critical value: the normal quantile, or
-    Student's t with `df` degrees of freedom (few item families: Cameron & Miller's small-cluster rule).
+    Student's t with `df` degrees of freedom (item families: the Bell-McCaffrey degrees of freedom).
     Found by bisection, which cannot fail on a monotone function (60 halvings of (-1, 1) reach 1e-18).
+    `df` <= 0 (one family: no between-family variance) bounds nothing: the interval is [-1, 1].
     """
     if n <= 0:
         return math.nan, math.nan
+    if df is not None and df <= 0:
+        return -1.0, 1.0
     tail = 1 - (1 - confidence) / 2
     z = float(stats.t.ppf(tail, df) if df else stats.norm.ppf(tail))
     estimate = (gained - lost) / n
@@ -88,26 +96,51 @@ def tango_interval(gained: float, lost: float, n: float, confidence: float = 0.9
     return low, high
 
 
+def _family_labels(families: Sequence) -> tuple[np.ndarray, np.ndarray]:
+    """(each item's family index, each family's size)."""
+    labels = np.unique(np.asarray([str(f) for f in families]), return_inverse=True)[1].reshape(-1)
+    return labels, np.bincount(labels)
+
+
 def design_effect(diff: np.ndarray, families: Sequence | None) -> tuple[float, int]:
     """(Cluster-robust variance of the mean paired difference / its i.i.d. variance, number of families).
 
-    CR1 variance G/(G-1) * sum_g (sum of residuals in g)^2 / n^2 against s^2/n. Floored at 1: clustering
-    is never allowed to narrow an interval. Without families (or with fewer than two) every item is its
-    own family and the effect is 1.
+    CR2 (Bell & McCaffrey 2002): V = sum_g s_g^2 / (1 - n_g/n) / n^2, s_g the family's sum of residuals, against
+    s^2/n. With equal families it is CR1's G/(G-1) * sum_g s_g^2 / n^2 exactly; with unequal ones CR1 under-states
+    the variance of a dominant family. Floored at 1: clustering never narrows an interval. Without families every
+    item is its own family (effect 1). One family holding every item: effect n (it may all share one fate, one
+    effective item); its interval is not taken from this number (paired_comparison: zero degrees of freedom).
     """
     diff = np.asarray(diff, float)
     n = len(diff)
     if families is None or n < 2:
         return 1.0, n
-    labels = np.unique(np.asarray([str(f) for f in families]), return_inverse=True)[1]
-    groups = int(labels.max()) + 1
+    labels, sizes = _family_labels(families)
+    groups = len(sizes)
+    if groups < 2:
+        return float(n), groups
     resid = diff - diff.mean()
     iid = float(np.sum(resid**2)) / (n - 1) / n
-    if groups < 2 or iid <= 0:
+    if iid <= 0:
         return 1.0, groups
     sums = np.bincount(labels, weights=resid, minlength=groups)
-    robust = groups / (groups - 1) * float(np.sum(sums**2)) / n**2
+    robust = float(np.sum(sums**2 / (1 - sizes / n))) / n**2
     return max(1.0, robust / iid), groups
+
+
+def cluster_degrees_of_freedom(families: Sequence) -> float:
+    """Bell-McCaffrey degrees of freedom of the CR2 variance of a mean: (sum lambda)^2 / sum lambda^2 over the
+    eigenvalues of the G x G matrix whose quadratic form in i.i.d. errors that variance is. G - 1 for equal
+    families, fewer when sizes differ (one family of 195 items and five singletons: about 1), 0 for one family.
+    Depends on the family sizes only, so it is known before any item is scored."""
+    _, sizes = _family_labels(families)
+    n = float(sizes.sum())
+    if len(sizes) < 2:
+        return 0.0
+    scale = 1 / np.sqrt(1 - sizes / n)
+    m = (np.diag(sizes.astype(float)) - np.outer(sizes, sizes) / n) * np.outer(scale, scale)
+    # sum lambda = trace(m) = n; sum lambda^2 = |m|_F^2 (m is symmetric)
+    return float(np.trace(m) ** 2 / np.sum(m * m))
 
 
 def spent_alpha(fraction: float, alpha: float, kind: str) -> float:
@@ -143,12 +176,12 @@ def items_to_decide(difference: float, discordance: float, margin: float, alpha:
     makes it pass). With `df` (few families) Student's t replaces the normal quantiles; `items` (the count
     judged so far) floors the discordance at 3/items."""
     gap = difference + margin
-    if gap <= 0 or not math.isfinite(gap):
-        return None
+    if gap <= 0 or not math.isfinite(gap) or (df is not None and df <= 0):
+        return None  # (df <= 0: one family, no number of its items decides)
     # no flips seen is not no flips to come: the rule of three bounds the discordance by 3/items
     floor = 3 / items if items else 1e-12
     variance = max(discordance - difference**2, floor)
-    quantile = (lambda q: stats.t.ppf(q, df)) if df else stats.norm.ppf
+    quantile = (lambda q: stats.t.ppf(q, df)) if df is not None else stats.norm.ppf
     z = quantile(1 - alpha) + quantile(power)
     return float(effect * z * z * variance / gap**2)
 
@@ -161,10 +194,13 @@ def paired_comparison(base: np.ndarray, variant: np.ndarray, *, families: Sequen
     flip = flips(base, variant)
     effect, groups = design_effect(variant.astype(float) - base.astype(float), families)
     gained, lost = flip["wrong_to_correct"], flip["correct_to_wrong"]
-    # few families: the cluster-robust variance is itself uncertain, so the limits take t with G - 1 degrees
-    # of freedom (Cameron & Miller 2015), also when the estimated design effect comes out at 1: with few
-    # families that estimate is noisy, and switching to z there let clustered flips pass 5.6 % of the time
-    df = groups - 1 if families is not None and 1 < groups < n else None
+    # families: the cluster-robust variance is itself uncertain, so the limits take t with the Bell-McCaffrey
+    # degrees of freedom (G - 1 for equal families), also when the estimated design effect comes out at 1: with
+    # few families that estimate is noisy, and switching to z there let clustered flips pass 5.6 % of the time.
+    # One family: 0 degrees of freedom, the interval is [-1, 1] (within-family variation says nothing about how
+    # another family would fare). Every item its own family: independent items, z.
+    df = round(cluster_degrees_of_freedom(families), 6) if families is not None and groups < n else None
+    # (rounded: compare.json's number gives the same interval when taken again)
     low, high = tango_interval(gained / effect, lost / effect, n / effect, confidence, df)
     return {
         "items": n,

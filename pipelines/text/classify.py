@@ -5,15 +5,16 @@ and routing (which variant serves this request?), so the two can never disagree.
 each request type declares them in params.yaml (`requests.<name>.classify`, docs/request-types.md) as named
 regular expressions and a `when` expression over their match counts and three built-in counts:
 
-    code_lines     lines that look like code (fenced blocks count as code)
-    comment_lines  comment lines (#, //, /*, docstring quotes)
+    code_lines     lines of Python (a python fence's lines; not SQL, shell, configs or other languages)
+    comment_lines  Python comment lines (#, docstring quotes)
     chars          the request's length in characters
 
 e.g. `when: "sql_keyword >= 2 and code_lines == 0"`. Expressions allow numbers, `true`/`false`, + and -,
 comparisons, `and`, `or`, `not` and parentheses, nothing else: they are parsed, never `eval`ed. Of the types
 whose `when` holds, the highest `priority` wins; a tie there is `ambiguous`, and no match at all is `unknown`
-(both are served by fp16). Explainable, deterministic, no model to ship, fast enough to run in front of every
-request; it imports no torch and no pydantic, so the router stays light.
+(both are served by fp16): a quantized variant serves only what a declared rule positively claims. Explainable,
+deterministic, no model to ship, fast enough to run in front of every request; it imports no torch and no
+pydantic, so the router stays light.
 """
 
 from __future__ import annotations
@@ -29,27 +30,55 @@ AMBIGUOUS = "ambiguous"  # two or more hold at the same, highest priority
 UNDECIDED = (UNKNOWN, AMBIGUOUS)
 BUILTIN_COUNTS = ("code_lines", "comment_lines", "chars")
 
-_CODE_LINE = re.compile(
-    r"^\s*(def |class |import |from \S+ import |return\b|for .+ in .+:|while .+:|if .+:|elif .+:|else:|try:|"
-    r"except\b|with .+:|raise\b|yield\b|lambda\b|print\(|[A-Za-z_][\w.\[\], ]*\s*[+\-*/]?=\s*\S|"
-    r"(public|private|static|const|let|var|function|fn|func|#include)\b|.*[;{}]\s*$)"
-)
-_COMMENT_LINE = re.compile(r'^\s*(#(?!!)|//|/\*|\*|"""|\'\'\')')
+# What counts as code is Python's (the shipped code probes are Python): a line opening a Python block (`def f(x):`,
+# `for x in xs:`, `else:`) or importing; a Python statement (return, raise, an assignment, a call); never a line that
+# ends in `;` or `{` or holds shell syntax (`$`, `&&`, `||`), which Python does not write.
+_PY_OPENER = re.compile(
+    r"^\s*((async\s+)?def\s+\w+\s*\(.*\)\s*(->.*)?|class\s+\w+(\(.*\))?|(for|async\s+for)\s+.+\s+in\s+.+|while\s+.+|"
+    r"if\s+.+|elif\s+.+|else|try|except(\s+.+)?|finally|(async\s+)?with\s+.+)\s*:\s*(#.*)?$"
+    r"|^\s*(import\s+[\w.]+(\s+as\s+\w+)?(\s*,\s*[\w.]+(\s+as\s+\w+)?)*|from\s+[\w.]+\s+import\s+[\w*(, ]+)\s*(#.*)?$")
+_PY_STATEMENT = re.compile(
+    r"^\s*(return\b|yield\b|raise\b|assert\s|del\s|global\s|nonlocal\s|pass$|break$|continue$|@[\w.]+|lambda\b|"
+    r"[A-Za-z_][\w.]*(\[[^\]]*\])*(\s*,\s*[A-Za-z_][\w.]*)*\s*([-+*/%&|^@]|//|\*\*|<<|>>)?=(?!=)\s*\S|"
+    r"[A-Za-z_][\w.]*\(.*\)\s*(#.*)?$)")
+_NOT_PYTHON = re.compile(r"[;{]\s*$|\$|&&|\|\|")
+_PY_EVIDENCE = re.compile(r"\w\(|\sfor\s.+\sin\s|\b(None|True|False|self|lambda)\b")  # a statement no config writes
+# Python's comments: `#` (not a shebang or a C preprocessor line) and docstring quotes
+_COMMENT_LINE = re.compile(r'^\s*(#(?!!|(include|define|pragma|ifn?def|endif)\b)|"""|\'\'\')')
+_TRACEBACK_FRAME = re.compile(r'^\s*File ".*", line \d+')  # the next line is quoted source, not code sent
+_PY_FENCE = ("python", "py", "python3")
 
 
 def _code_lines(text: str) -> tuple[int, int]:
-    """(code-like lines, comment lines) in `text`, counting fenced blocks as code."""
+    """(Python code lines, Python comment lines) in `text`.
+
+    A python-tagged fence's lines are code, another language's are not, an untagged one's are read like the rest:
+    a line counts when it opens a Python block or imports, or is a Python statement in a text that has such an
+    opener or a statement only Python writes (a call, a comprehension, None/True/False/self): the `key = value`
+    lines of a config or `return 0` in a shell function are not Python on their own.
+    """
     code = comments = 0
-    fenced = False
+    fence: str | None = None  # the open fence's language tag
+    statements, opened, quoted = 0, False, False
     for line in text.splitlines():
-        if line.strip().startswith("```"):
-            fenced = not fenced
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fence = stripped[3:].strip().lower() if fence is None else None
+            continue
+        if fence and fence not in _PY_FENCE:
+            continue
+        after_frame, quoted = quoted, bool(_TRACEBACK_FRAME.match(line))
+        if after_frame:
             continue
         if _COMMENT_LINE.match(line):
             comments += 1
-        elif fenced or _CODE_LINE.match(line):
+        elif fence:
             code += 1
-    return code, comments
+        elif _PY_OPENER.match(line):
+            code, opened = code + 1, True
+        elif _PY_STATEMENT.match(line) and not _NOT_PYTHON.search(line):
+            statements, opened = statements + 1, opened or bool(_PY_EVIDENCE.search(line))
+    return code + (statements if opened else 0), comments
 
 
 _COMPARE = {ast.Lt: lambda a, b: a < b, ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b,

@@ -16,7 +16,7 @@ from pipelines.core.errors import QuantgateError
 from pipelines.core.io import read_jsonl, write_json
 from pipelines.core.params_sections import CoverageParams
 from pipelines.core.paths import COVERAGE_DIR
-from pipelines.text.classify import UNDECIDED, Classifier
+from pipelines.text.classify import UNDECIDED, UNKNOWN, Classifier
 from pipelines.text.pii import mask
 
 LENGTH_BINS = [0, 8, 16, 32, 64, 128, 256, 512, 1024, 1 << 30]
@@ -39,15 +39,19 @@ def classifier_report(texts: list[str], labels: list[str | None], cov: CoverageP
     correctly, the accuracy and `below_threshold` (accuracy < coverage.min_classifier_accuracy); a type with no
     labelled request has accuracy None and is not flagged. `confusion[true][predicted]` counts every pairing, with
     `unknown` and `ambiguous` as predicted columns; `predicted` (the classifier's answers) is computed if not given.
+    Requests labelled `unknown` (no declared type describes them) are a row of their own: right when no rule claims
+    them, since a claimed one is served by a variant no probe measured on it.
     """
-    types = sorted(cov.classify)
-    undeclared = sorted({lab for lab in labels if lab is not None and lab not in types})
+    declared = sorted(cov.classify)
+    undeclared = sorted({lab for lab in labels if lab is not None and lab not in declared and lab != UNKNOWN})
     if undeclared:
-        raise QuantgateError(f"label {undeclared[0]!r} is not a declared request type; declared: {', '.join(types)}")
+        raise QuantgateError(f"label {undeclared[0]!r} is not a declared request type; declared: {', '.join(declared)}"
+                             f" (or {UNKNOWN}: none of them)")
+    types = declared + ([UNKNOWN] if UNKNOWN in labels else [])
     if predicted is None:
         classifier = Classifier(cov.classify)
         predicted = [classifier.classify(mask(t)) for t in texts]
-    columns = [*types, *UNDECIDED]
+    columns = [*declared, *UNDECIDED]
     confusion = {t: dict.fromkeys(columns, 0) for t in types}
     for lab, pred in zip(labels, predicted):
         if lab is not None:
@@ -70,7 +74,7 @@ def classifier_report(texts: list[str], labels: list[str | None], cov: CoverageP
         "rule": f"flagged when a type's accuracy on its labelled requests < {cov.min_classifier_accuracy}",
         "accuracy": round(correct / labelled, 4) if labelled else None,
         "correct": correct,
-        **{u: sum(confusion[t][u] for t in types) for u in UNDECIDED},
+        **{u: sum(confusion[t][u] for t in declared) for u in UNDECIDED},  # declared types' requests left undecided
         "flagged": [t for t, v in per_type.items() if v["below_threshold"]],
         "types": per_type,
         "columns": columns,
@@ -115,8 +119,16 @@ def coverage_report(traffic: list[str], sets: dict[str, list[dict]], mixed: list
             "examples": [masked[i][:200] for i in idx[:2]],
         }
     gaps = [d for d, v in domains.items() if v["under_represented"]]
+    unknown = [i for i, lab in enumerate(labels) if lab == UNKNOWN]
+    unknown_share = len(unknown) / len(traffic)
     return {
         "traffic_requests": len(traffic),
+        # what no declared type claims is served by fp16 and measured by no probe: a large share means a request type
+        # is missing (coverage.max_unknown_share; on_gap applies)
+        "unknown": {"production_requests": len(unknown), "production_share": round(unknown_share, 4),
+                    "max_share": cov.max_unknown_share, "flagged": unknown_share > cov.max_unknown_share,
+                    "rule": f"flagged when the share of production requests no type claims > {cov.max_unknown_share}",
+                    "examples": [masked[i][:200] for i in unknown[:2]]},
         "rule": f"flagged when calibration_share < {cov.min_share_ratio} x production_share",
         "on_gap": cov.on_gap,
         "under_represented": gaps,
@@ -129,7 +141,8 @@ def coverage_report(traffic: list[str], sets: dict[str, list[dict]], mixed: list
 
 
 def load_traffic(cov: CoverageParams) -> tuple[list[str], list[str | None]]:
-    """(texts, labels) of the production sample; a row without `coverage.label_field` has label None."""
+    """(texts, labels) of the production sample; a row without `coverage.label_field` has label None, a request no
+    declared type describes has label `unknown`."""
     rows = read_jsonl(cov.traffic)
     if not rows:
         raise QuantgateError(f"{cov.traffic}: no requests (coverage.traffic)")
@@ -138,9 +151,10 @@ def load_traffic(cov: CoverageParams) -> tuple[list[str], list[str | None]]:
         if not isinstance(row.get(cov.text_field), str):
             raise QuantgateError(f"{cov.traffic}:{number}: no string field '{cov.text_field}' (coverage.text_field)")
         label = row.get(cov.label_field)
-        if label is not None and (not isinstance(label, str) or label not in cov.classify):
+        if label is not None and (not isinstance(label, str) or (label not in cov.classify and label != UNKNOWN)):
             raise QuantgateError(f"{cov.traffic}:{number}: label {label!r} ({cov.label_field}) is not a declared "
-                                 f"request type; declared: {', '.join(sorted(cov.classify))} (requests in params.yaml)")
+                                 f"request type; declared: {', '.join(sorted(cov.classify))} (requests in params.yaml), "
+                                 f"or {UNKNOWN} for a request none of them describes")
         texts.append(row[cov.text_field])
         labels.append(label)
     return texts, labels

@@ -124,6 +124,12 @@ def render_coverage(ctx: Context, arg: str, old: list[str]) -> list[str]:
     lines += table(["domain", "production share", "calibration share", "ratio", "n-gram coverage", "flag"], rows)
     verdict = "covered" if cov.get("covered") else "under-represented: " + ", ".join(cov.get("under_represented") or [])
     lines += ["", f"Overall: {verdict} (`coverage.on_gap: {cov.get('on_gap')}`)."]
+    unknown = cov.get("unknown")
+    if unknown:  # what no declared type claims: served by fp16, measured by no probe
+        lines[-1] += (f" Claimed by no request type (`unknown`, served by fp16): {pct(unknown['production_share'])}"
+                      f" ({count(unknown['production_requests'])} requests), "
+                      + ("**flagged**" if unknown["flagged"] else "not flagged")
+                      + f" (`coverage.max_unknown_share: {unknown['max_share']}`).")
     return lines
 
 
@@ -132,8 +138,8 @@ def render_classifier(ctx: Context, arg: str, old: list[str]) -> list[str]:
     per = ", ".join(f"{t} {x['correct']}/{x['requests']}" for t, x in (c.get("types") or {}).items())
     flagged = c.get("flagged") or []
     return [f"On the shipped sample ({count(c['labelled_requests'])} labelled requests) the classifier names "
-            f"{count(c['correct'])} right ({pct(c['accuracy'])}): {per}; {c.get('unknown', 0)} unknown, "
-            f"{c.get('ambiguous', 0)} ambiguous; "
+            f"{count(c['correct'])} right ({pct(c['accuracy'])}): {per}; of the declared types' requests "
+            f"{c.get('unknown', 0)} came out unknown, {c.get('ambiguous', 0)} ambiguous; "
             + (f"flagged: {words(flagged)}." if flagged else "no type below the threshold.")]
 
 
