@@ -15,7 +15,6 @@ def main(variant: list[str] | None = None, seed: int | None = None) -> int:
     import logging
     import os
 
-    from pipelines.core import logs
     from pipelines.core.errors import QuantgateError
     from pipelines.core.io import write_json
     from pipelines.core.lineage import workspace_changes
@@ -39,8 +38,7 @@ def main(variant: list[str] | None = None, seed: int | None = None) -> int:
               "what DVC recorded; run dvc repro:\n" + "\n".join(f"  {c}" for c in changes[:12]))
         return 2
     try:
-        with logs.progress(total=len(names), desc="audit (re-measuring)", unit="model") as bar:
-            result = audit(params, names, seed, resolve_device(params.device), bar)
+        result = audit(params, names, seed, resolve_device(params.device))  # its child shows the progress
     except Exception as err:  # noqa: BLE001 - fail closed: an audit that could not finish vouches for nothing
         logging.getLogger("pipelines").debug("audit error", exc_info=True)
         result = {"seed": seed, "verdict": "refused", "problems": [],

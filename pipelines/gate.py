@@ -154,7 +154,6 @@ def _audit(params, variant: list[str] | None, seed: int | None) -> dict:
     """`quantgate audit` inside the gate: the same floor function, its result kept in results/audit.json."""
     import os
 
-    from pipelines.core import logs
     from pipelines.core.io import write_json
     from pipelines.core.paths import AUDIT_RESULT
     from pipelines.evaluation.remeasure import audit, describe
@@ -165,8 +164,7 @@ def _audit(params, variant: list[str] | None, seed: int | None) -> dict:
     names = list(dict.fromkeys(names))
     seed = int.from_bytes(os.urandom(8), "big") if seed is None else seed
     print(f"quantgate gate: audit seed {seed}", flush=True)
-    with logs.progress(total=len(names), desc="audit (re-measuring)", unit="model") as bar:
-        found = audit(params, names, seed, resolve_device(params.device), bar)
+    found = audit(params, names, seed, resolve_device(params.device))  # its child shows the progress
     write_json(AUDIT_RESULT, found)
     return {"verdict": found["verdict"], "seed": seed, "lines": [describe(p) for p in found["problems"]],
             "largest_difference": found["largest_difference"]}

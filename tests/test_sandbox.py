@@ -257,15 +257,31 @@ def _left(name: str) -> list[int]:
             if p.info["name"] == name and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
+MEMORY_HOGS = {
+    # 6 children of 80 MiB each: every one under the 512 MiB address-space cap, 480 MiB together
+    "private": ("import os, time\nkids = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+                "        block = b'x' * (80 * 2**20)\n        time.sleep(8)\n        os._exit(0)\n    kids.append(pid)\n"
+                "for pid in kids:\n    os.waitpid(pid, 0)\nprint('all done')\n"),
+    # one 300 MiB MAP_SHARED|MAP_ANONYMOUS region touched by 4 children: statm's "shared" pages, uncounted before
+    "shared mapping": ("import mmap, os, time\nm = mmap.mmap(-1, 300 * 2**20, flags=mmap.MAP_SHARED)\nkids = []\n"
+                       "for _ in range(4):\n    pid = os.fork()\n    if pid == 0:\n"
+                       "        for i in range(0, len(m), 4096):\n            m[i] = 1\n        time.sleep(8)\n"
+                       "        os._exit(0)\n    kids.append(pid)\nfor pid in kids:\n    os.waitpid(pid, 0)\n"
+                       "print('all done')\n"),
+    # 300 memfd files of 1 MiB less a page (each under RLIMIT_FSIZE) held open and never mapped: no Rss counts them
+    "memfd files": ("import os, time\nfds = [os.memfd_create(f'm{n}') for n in range(300)]\nfor fd in fds:\n"
+                    "    os.write(fd, bytes(2**20 - 4096))\ntime.sleep(8)\nprint('all done')\n"),
+}
+
+
+@pytest.mark.parametrize("hog", sorted(MEMORY_HOGS))
 @pytest.mark.parametrize("level", LEVELS)
-def test_total_memory_of_all_its_processes_is_capped(level):
-    """6 children of 80 MiB each: every one under the 512 MiB address-space cap, 480 MiB together over the
-    program's 256 MiB. Without the program-wide cap it exits 0 once they end, 8 s later."""
+def test_total_memory_of_all_its_processes_is_capped(level, hog):
+    """Each program holds ~300-480 MiB, over the program's 256 MiB, in memory no single rlimit catches: private
+    memory split over forks, a shared anonymous mapping, memfd files. Without the program-wide cap it exits 0 once
+    they end, 8 s later."""
     ours = psutil.Process().memory_info().rss
-    code = ("import os, time\nkids = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
-            "        block = b'x' * (80 * 2**20)\n        time.sleep(8)\n        os._exit(0)\n    kids.append(pid)\n"
-            "for pid in kids:\n    os.waitpid(pid, 0)\nprint('all done')\n")
-    name, code = _named(code)
+    name, code = _named(MEMORY_HOGS[hog])
     r = _run_at(level, code, CAPPED)
     assert r.status == "failed" and r.reason.startswith("total memory cap 256 MiB exceeded"), r
     assert "all done" not in r.output and _left(name) == []

@@ -131,3 +131,138 @@ def test_humaneval_and_mbpp_scorers_fail_an_escape(escape):
     mbpp = {"test_list": ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 0) == 0"]}
     assert standard_tasks.mbpp_results(mbpp, ["def add(a, b):\n" + escape]) == {"pass@1": 0.0}
     assert standard_tasks.mbpp_results(mbpp, [re.sub(r"^ +", "", escape)]) == {"pass@1": 0.0}
+
+
+# Stealing the token instead of running the tests: each program below looks for it where a reviewer found it (a local
+# of the runner's frames), or in raw memory, prints every candidate as the runner would (a newline, then it) and
+# exits 0. The token lives only in the watcher thread's frame, the audit hook refuses every way to reach it, and
+# the watcher writes it only once the main thread's `_main` frame is past exec(): each fails, none prints it.
+EMIT = ("import posix\ndef emit(found):\n    for b in found:\n"
+        "        if isinstance(b, (bytes, bytearray)) and b.strip():\n"
+        "            posix.write(1, b'\\n' + bytes(b).strip(b'\\n') + b'\\n')\n    posix._exit(0)\n")
+FRAME_WALK = ("import sys\nfound, f, n = [], None, 0\nwhile True:\n    try:\n        f = sys._getframe(n)\n"
+              "    except ValueError:\n        break\n    found += [v for v in f.f_locals.values() if isinstance(v, bytes)]\n"
+              "    n += 1\nemit(found)\n")
+STEALS = {
+    "the reviewer's one-liner": "__import__('posix').write(1, b'\\n'+__import__('sys')._getframe(1).f_locals['token']);"
+                                " __import__('posix')._exit(0)\n",
+    "f_back walk, every bytes local of every frame": FRAME_WALK,
+    "traceback tb_frame.f_back walk": (
+        "found = []\ntry:\n    1 / 0\nexcept ZeroDivisionError as e:\n    f = e.__traceback__.tb_frame\n"
+        "while f is not None:\n    found += [v for v in f.f_locals.values() if isinstance(v, bytes)]\n"
+        "    f = f.f_back\nemit(found)\n"),
+    "gc.get_objects, bytes of the token's length": (  # bytes are not tracked: in frames' locals and containers
+        "import gc\nfound = []\nfor o in gc.get_objects():\n    if type(o).__name__ == 'frame':\n"
+        "        o = o.f_locals\n    found += [v for v in (o.values() if isinstance(o, dict) else o if isinstance(o, "
+        "(list, tuple)) else ()) if isinstance(v, bytes) and len(v) in (33, 34)]\nemit(found)\n"),
+    "gc.get_referrers of the frames": (
+        "import gc, sys\nemit([v for r in gc.get_referrers(sys._getframe()) for v in getattr(r, 'f_locals', {}).values()])\n"),
+    "sys._current_frames, every thread's frames": (
+        "import sys\nfound = []\nfor f in sys._current_frames().values():\n    while f is not None:\n"
+        "        found += [v for v in f.f_locals.values() if isinstance(v, bytes)]\n        f = f.f_back\nemit(found)\n"),
+    "ctypes": "import ctypes\nemit([ctypes.string_at(id(b'x'), 8)])\n",
+    "ctypes under another name": (
+        "import glob, importlib.util\nspec = importlib.util.spec_from_file_location('json._ctypes', "
+        "glob.glob('/usr/lib/python3*/lib-dynload/_ctypes*')[0])\nimportlib.util.module_from_spec(spec)\nemit([])\n"),
+    "/proc/self/mem": (
+        "import re\nfound = []\nwith open('/proc/self/mem', 'rb', 0) as mem:\n"
+        "    for line in open('/proc/self/maps'):\n        lo, hi = (int(x, 16) for x in line.split()[0].split('-'))\n"
+        "        if 'rw' in line.split()[1]:\n            mem.seek(lo)\n            try:\n"
+        "                found += re.findall(rb'[0-9a-f]{32}\\n', mem.read(hi - lo))\n"
+        "            except OSError:\n                pass\nemit(found)\n"),
+    "/proc/self/task/N/mem through a symlink": (
+        "import os\nos.symlink(f'/proc/self/task/{os.getpid()}/mem', '/tmp/m')\nopen('/tmp/m', 'rb')\nemit([])\n"),
+    "/proc/self/mem by dir_fd": (
+        "import os\nd = os.open('/proc/self', os.O_RDONLY)\nos.open('mem', os.O_RDONLY, dir_fd=d)\nemit([])\n"),
+    "a PathLike that names another file to the hook": (
+        "import os\nclass P:\n    n = 0\n    def __fspath__(self):\n        P.n += 1\n"
+        "        return 'x' if P.n == 1 else '/proc/self/mem'\nopen(P(), 'rb')\nemit([])\n"),
+    "a fork that runs a fresh interpreter on its parent's memory": (
+        "import os, sys\nif os.fork() == 0:\n    os.execv(sys.executable, [sys.executable, '-c', 'print(1)'])\n"
+        "os.wait()\nemit([])\n"),
+    "subprocess": "import subprocess\nsubprocess.run(['/bin/true'])\nemit([])\n",
+    "its own audit hook, then a wake-up": (
+        "import os, sys, threading\nfound = []\ndef spy(event, args):\n    f = sys._getframe(1)\n    while f:\n"
+        "        found.extend(v for v in f.f_locals.values() if isinstance(v, bytes))\n        f = f.f_back\n"
+        "sys.addaudithook(spy)\n"
+        "for fd in os.listdir('/proc/self/fd'):\n    try:\n        os.write(int(fd), b'x')\n    except OSError:\n"
+        "        pass\nimport time\ntime.sleep(0.3)\nemit(found)\n"),
+    "a thread wakes the watcher through every pipe, then exit 0": (
+        "import os, threading\ndef wake():\n    for fd in os.listdir('/proc/self/fd'):\n        try:\n"
+        "            if os.readlink(f'/proc/self/fd/{fd}').startswith('pipe:'):\n                os.write(int(fd), b'.')\n"
+        "        except OSError:\n            pass\n    os._exit(0)\nthreading.Thread(target=wake).start()\n"
+        "import time\ntime.sleep(5)\n"),
+    "sys.exit(0), then an atexit handler wakes the watcher": (
+        "import atexit, os, sys, time\ndef wake():\n    for fd in os.listdir('/proc/self/fd'):\n        try:\n"
+        "            if os.readlink(f'/proc/self/fd/{fd}').startswith('pipe:'):\n                os.write(int(fd), b'.')\n"
+        "        except OSError:\n            pass\n    time.sleep(0.3)\natexit.register(wake)\nsys.exit(0)\n"),
+    "settrace on every thread": "import threading, sys\nthreading.settrace(lambda *a: None)\nsys.settrace(None)\nemit([])\n",
+}
+
+
+@pytest.fixture
+def issued(monkeypatch):
+    """The tokens run_python issues, to look for them in what a program printed."""
+    tokens = []
+    real = secrets.token_hex
+    monkeypatch.setattr(sandbox.secrets, "token_hex", lambda n: tokens.append(real(n)) or tokens[-1])
+    return tokens
+
+
+@pytest.mark.parametrize("steal", sorted(STEALS))
+def test_stealing_the_token_fails(steal, issued):
+    r = run_python(WRONG + EMIT + STEALS[steal] + TESTS, FAST)
+    assert r.status == "failed", (steal, r)
+    assert len(issued) == 1 and issued[0] not in r.output, (steal, r)
+
+
+def test_waking_the_watcher_early_then_running_the_asserts_still_fails(issued):
+    """The program's thread writes to every pipe (W's included), then the program runs its asserts correctly and
+    ends normally: W woke while the main thread was still inside exec(), wrote nothing and stopped."""
+    wake = ("import os, threading\ndef wake():\n    for fd in os.listdir('/proc/self/fd'):\n        try:\n"
+            "            if os.readlink(f'/proc/self/fd/{fd}').startswith('pipe:'):\n                os.write(int(fd), b'.')\n"
+            "        except OSError:\n            pass\nt = threading.Thread(target=wake)\nt.start()\nt.join()\n"
+            "import time\ntime.sleep(0.2)\n")
+    r = run_python(WRONG.replace("a - b", "a + b") + wake + TESTS, FAST)
+    assert r.status == "failed" and r.returncode == 0 and r.reason.startswith(EARLY), r
+    ok = run_python(WRONG.replace("a - b", "a + b") + TESTS, FAST)  # the same program without the wake-up passes
+    assert ok.passed, ok
+
+
+def test_the_wake_line_is_the_runner_write_that_follows_exec():
+    lines = sandbox.RUNNER.splitlines()
+    assert lines[sandbox.WAKE_LINE - 1].strip().startswith("_write(w, ")
+    assert [n for n, line in enumerate(lines, 1) if "exec(code, main.__dict__)" in line][0] < sandbox.WAKE_LINE
+
+
+def test_common_standard_library_use_passes():
+    """What model-written solutions import: the audit hook refuses none of it."""
+    code = ("import collections, dataclasses, enum, functools, heapq, itertools, json, math, re, string, typing\n"
+            "import bisect, copy, decimal, fractions, operator, random, statistics, datetime, textwrap, pathlib\n"
+            "P = collections.namedtuple('P', 'x y')\nclass C(enum.Enum):\n    A = 1\n@dataclasses.dataclass\n"
+            "class D:\n    a: typing.List[int]\n@functools.lru_cache(None)\ndef fib(n):\n    return n if n < 2 else "
+            "fib(n - 1) + fib(n - 2)\nassert P(1, 2).y == 2 and C.A.value == 1 and D([1]).a == [1] and fib(30) == 832040\n"
+            "assert json.loads(json.dumps({'a': [1]})) == {'a': [1]} and re.findall(r'\\d+', 'a1b22') == ['1', '22']\n"
+            "assert list(itertools.accumulate([1, 2, 3])) == [1, 3, 6] and math.isqrt(17) == 4\n"
+            "assert copy.deepcopy([[1]]) == [[1]] and str(decimal.Decimal('1.5') * 2) == '3.0'\n"
+            "open('f.txt', 'w').write('x')\nassert open('f.txt').read() == 'x' and pathlib.Path('f.txt').exists()\n"
+            "try:\n    import numpy\nexcept ImportError:\n    pass\nprint('ok')\n")
+    r = run_python(code, FAST)
+    assert r.passed and r.output == "ok\n", r
+
+
+@pytest.mark.parametrize("steal", ["    " + STEALS["f_back walk, every bytes local of every frame"]
+                                   .replace("\n", "\n    ").rstrip() + "\n"])
+def test_humaneval_and_mbpp_wrapper_frame_walk_fails(steal, issued):
+    """standard_tasks._EXEC runs the program in a nested exec(): the frame walk reaches the runner's frames
+    through it and finds no token."""
+    body = "    " + EMIT.replace("\n", "\n    ").rstrip() + "\n" + steal
+    doc = {"prompt": "def add(a, b):\n", "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n",
+           "entry_point": "add"}
+    assert standard_tasks.humaneval_results(doc, [body]) == {"pass@1": 0.0}
+    mbpp = {"test_list": ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(0, 0) == 0"]}
+    assert standard_tasks.mbpp_results(mbpp, ["def add(a, b):\n" + body]) == {"pass@1": 0.0}
+    assert standard_tasks.mbpp_results(mbpp, [EMIT + FRAME_WALK]) == {"pass@1": 0.0}
+    reviewer = STEALS["the reviewer's one-liner"].replace("_getframe(1)", "_getframe(2)")  # one exec() deeper
+    assert standard_tasks.mbpp_results(mbpp, [reviewer]) == {"pass@1": 0.0}
+    assert len(issued) == 4

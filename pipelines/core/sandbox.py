@@ -20,10 +20,13 @@ processes); caps on the program as a whole, total memory of all its processes an
 timeout after which the whole process group is SIGKILLed from outside.
 Anything short of FULL is refused unless the caller allows it explicitly (`allow_unisolated`).
 
-`passed` means the program ran to its end, not only that it exited 0: a trusted runner (RUNNER) reads a
-per-run random token from stdin, points stdin at /dev/null, executes the program as __main__ and only then
-writes the token; the token must be the last thing in the output. sys.exit(0), os._exit(0), a signal or an
-exception before the end never writes it; it is not in the program's file, argv or environment.
+`passed` means the program ran to its end, not only that it exited 0: a trusted runner (RUNNER) has a watcher
+thread read a per-run random token from stdin and keep it in its own frame, points stdin at /dev/null, executes
+the program as __main__ in the main thread, and the watcher writes the token only once that exec() returned;
+the token must be the last thing in the output. sys.exit(0), os._exit(0), a signal or an exception before the
+end never writes it; it is not in the program's file, argv or environment, and an audit hook refuses the ways
+to read it out of memory (see RUNNER). Below FULL the write cap covers only the work directory (the host's /tmp
+is reachable), and at WEAK a setsid() grandchild can escape the caps and the kill.
 """
 
 from __future__ import annotations
@@ -188,21 +191,21 @@ def _set_limits(limits: Limits) -> None:  # runs in the child between fork and e
 # The trusted runner (`python -I -S -c RUNNER program.py`). The token arrives on stdin and never in a file, argv or
 # the environment. A watcher thread W, started before the program, reads it and keeps it only as a local of its own
 # frame (never the main thread's: the program's module frame's f_back is `_main`, whose locals it can read); the main
-# thread waits until W has it, points fd 0 at /dev/null and executes the program. When exec() returns, the main
-# thread writes one byte to a private pipe; W wakes, checks that `_main`'s frame (taken before the program ran) is
-# at or after that line -- it can only get there by exec() returning -- and only then writes the token. A byte from
-# anyone else (the program writing to every pipe) wakes W too early: it writes nothing and stops, no second chance.
-# After the program starts W calls nothing audited and allocates nothing the garbage collector tracks, so no hook,
-# finalizer or gc callback of the program runs on its thread. The audit hook (which Python code cannot list or
-# remove) refuses what reads another frame or raw memory: sys._current_frames, gc.get_objects/get_referrers/
-# get_referents, tracing and profiling, adding another audit hook, importing ctypes/_ctypes/_posixsubprocess or
-# anything outside the standard library (cffi, numpy in dist-packages reach raw memory), running another program
-# (os.exec*, posix_spawn, system, subprocess: an unhooked process of the same uid could read /proc/PID/mem of a
-# fork of this one), opening a file named `mem` (/proc/self/mem, /proc/PID/task/N/mem, by any path, dir_fd or
-# cwd: the final component is what the kernel opens) or a path given as an os.PathLike (its __fspath__ could
-# answer the hook and the open differently), a symlink whose target is named `mem`; and, on W's thread, every
-# audited event. The functions the runner needs afterwards are bound before the program can replace them;
-# os._exit after the token: no atexit handler writes after it.
+# thread waits until W has it, points fd 0 at /dev/null and executes the program. When exec() returns, the main thread
+# writes one byte to a private pipe; W wakes, checks that `_main`'s frame (taken before the program ran) is at or
+# after that line -- it can only get there by exec() returning -- and only then writes the token. A byte from anyone
+# else (the program writing to every pipe) wakes W too early: it writes nothing and stops, no second chance. After the
+# program starts W calls nothing audited and allocates nothing the garbage collector tracks, so no hook, finalizer or
+# gc callback of the program runs on its thread. The audit hook (which Python code cannot list or remove) refuses what
+# reads another frame or raw memory: sys._current_frames, gc.get_objects/get_referrers/get_referents, tracing,
+# profiling and sys.monitoring, adding another audit hook, importing ctypes/_ctypes/_posixsubprocess or anything
+# outside the standard library (cffi, numpy in dist-packages reach raw memory), running another program (os.exec*,
+# posix_spawn, system, subprocess: an unhooked process of the same uid could read /proc/PID/mem of a fork of this
+# one), opening a file named `mem` (/proc/self/mem, /proc/PID/task/N/mem, by any path, dir_fd or cwd: the final
+# component is what the kernel opens) or a path given as an os.PathLike (its __fspath__ could answer the hook and the
+# open differently), a symlink whose target is named `mem`; and, on W's thread, every audited event. The functions the
+# runner needs afterwards are bound before the program can replace them; os._exit after the token: no atexit handler
+# writes after it.
 _RUNNER = """import os, sys, _thread
 _write, _exit, _read, _ident = os.write, os._exit, os.read, _thread.get_ident
 def _watch(r, frame, wake_line, ready, done, _read=_read, _write=_write, _exit=_exit):
@@ -229,7 +232,8 @@ def _hook(w_ident, _ident=_ident, _type=type, _str=str, _bytes=bytes, _int=int, 
           _error=RuntimeError, _missing=ModuleNotFoundError):
     refused = frozenset(('sys._current_frames', 'gc.get_objects', 'gc.get_referrers', 'gc.get_referents',
                          'sys.settrace', 'sys.setprofile', 'sys.addaudithook', 'os.exec', 'os.posix_spawn',
-                         'os.system', 'subprocess.Popen'))
+                         'os.system', 'subprocess.Popen', 'sys.monitoring.register_callback',
+                         'sys._setprofileallthreads', 'sys._settraceallthreads'))  # the last three: Python >= 3.12
     banned = frozenset(('ctypes', '_ctypes', '_posixsubprocess', '_cffi_backend', 'cffi'))
     def audit(event, args, refused=refused, banned=banned, w_ident=w_ident):
         if _ident() == w_ident or event in refused:

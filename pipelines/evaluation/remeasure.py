@@ -175,23 +175,41 @@ def remeasure(model, tokenizer, name: str, plans: dict, p, sample: dict, texts: 
     return problems, noise
 
 
-def remeasure_variant(name: str, params, sample: dict, device: str) -> tuple[list[dict], dict]:
-    """In the audit's child process: load `name`'s checkpoint and records, re-measure its sample (`remeasure`)."""
+def remeasure_models(names: list[str], params, sample: dict, device: str) -> dict:
+    """In the audit's child process: each model's checkpoint and records loaded in turn and its sample re-measured
+    (`remeasure`); {name: {problems, noise, seconds}}, or the reason one could not be."""
     from pipelines.evaluation import fidelity
     from pipelines.evaluation.plans import probe_plans
-    from pipelines.models.loading import load_variant
 
     p = params.evaluate
-    items = read_jsonl(EVAL_RESULTS / name / "items.jsonl")
-    texts = read_jsonl(EVAL_RESULTS / name / FIDELITY_TEXTS)
-    model, tokenizer = load_variant(str(VARIANTS_DIR / name), device, params.gpus.shares())
-    if tokenizer.pad_token is None:  # as evaluate did (harness.evaluate_variant)
-        tokenizer.pad_token = tokenizer.eos_token
-    return remeasure(model, tokenizer, name, probe_plans(p.domains, p), p, sample, texts,
-                     fidelity.load_base(FIDELITY_BASE), items, params.audit, device)
+    plans, base, out = probe_plans(p.domains, p), fidelity.load_base(FIDELITY_BASE), {}
+    with logs.progress(total=len(names), desc="audit (re-measuring)", unit="model") as bar:
+        for name in names:
+            out[name] = _remeasure_one(name, params, plans, base, sample[name], device)
+            bar.update()
+    return out
 
 
-def audit(params, names: list[str], seed: int, device: str, progress=None) -> dict:
+def _remeasure_one(name: str, params, plans: dict, base: dict, sample: dict, device: str) -> dict | str:
+    """One model's re-measured sample, or why it could not be (a Python error loading or running it)."""
+    from pipelines.models.loading import load_variant
+
+    start = time.perf_counter()
+    try:
+        items = read_jsonl(EVAL_RESULTS / name / "items.jsonl")
+        texts = read_jsonl(EVAL_RESULTS / name / FIDELITY_TEXTS)
+        model, tokenizer = load_variant(str(VARIANTS_DIR / name), device, params.gpus.shares())
+        if tokenizer.pad_token is None:  # as evaluate did (harness.evaluate_variant)
+            tokenizer.pad_token = tokenizer.eos_token
+        problems, noise = remeasure(model, tokenizer, name, plans, params.evaluate, sample, texts, base, items,
+                                    params.audit, device)
+    except Exception as err:  # noqa: BLE001 - that model's evidence is not vouched for; the others' still is
+        log.debug("audit %s", name, exc_info=True)
+        return f"{type(err).__name__}: {err}"
+    return {"problems": problems, "noise": noise, "seconds": round(time.perf_counter() - start, 2)}
+
+
+def audit(params, names: list[str], seed: int, device: str) -> dict:
     """The whole audit over `names` (variants and candidates, fp16 included when asked): summaries against their
     records, then each model's sample re-measured. Returns what `results/audit.json` keeps."""
     from pipelines.evaluation import fidelity
@@ -221,21 +239,22 @@ def audit(params, names: list[str], seed: int, device: str, progress=None) -> di
     sample = draw(rows, counts, tol.items, tol.texts, seed)
     noise = {"logprob": 0.0, "kl": 0.0, "items": 0, "texts": 0, "mismatched": 0, "tolerated": []}
     seconds = {}
+    # one process for every model: the imports (torch, transformers, lm-eval) are most of an audit's time, and a
+    # checkpoint's loading code that crashes or hangs still cannot take the caller down (its own process, a timeout)
+    done, error = run_isolated(remeasure_models, (list(loaded), params, sample, device),
+                               p.timeout_seconds, "audit", logs.current_log_file) if loaded else ({}, None)
+    seconds = {}
     for name in loaded:
-        start = time.perf_counter()
-        # a checkpoint's loading code may crash or hang (a candidate's especially): its own process, a timeout
-        done, error = run_isolated(remeasure_variant, (name, params, sample[name], device),
-                                   p.timeout_seconds, f"audit {name}", logs.current_log_file)
-        if error:
-            problems.append({"variant": name, "row": "*", "items": [], "what": f"could not be re-measured: {error}"})
-        else:
-            found, seen = done
-            problems += found
-            for key in noise:
-                noise[key] = noise[key] + seen[key] if key in ("items", "texts", "tolerated") else max(noise[key], seen[key])
-        seconds[name] = round(time.perf_counter() - start, 2)
-        if progress is not None:
-            progress.update()
+        found = (done or {}).get(name)
+        if found is None or isinstance(found, str):
+            why = found or error or "no result"
+            problems.append({"variant": name, "row": "*", "items": [], "what": f"could not be re-measured: {why}"})
+            continue
+        problems += found["problems"]
+        seen = found["noise"]
+        for key in noise:
+            noise[key] = noise[key] + seen[key] if key in ("items", "texts", "tolerated") else max(noise[key], seen[key])
+        seconds[name] = found["seconds"]
     if BASELINE in skipped or BASELINE not in loaded and not any(p["variant"] == BASELINE for p in problems):
         problems.append({"variant": BASELINE, "row": "*", "items": [], "what": "fp16's records were not audited "
                          f"({skipped.get(BASELINE, 'not among the audited')}): every variant is judged against them"})
