@@ -284,6 +284,8 @@ def kill_worker_of(stage_args: list[str], deadline: float) -> dict[str, str]:
                 if needle in cmdline and "fanout" not in cmdline:
                     environ = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
                     parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    if b"ray::" not in Path(f"/proc/{parent}/cmdline").read_bytes():
+                        continue  # another pipeline on this machine (a `dvc repro` running the same stage): not ours
                     os.kill(parent, signal.SIGKILL)
                     return environ
             except (OSError, ValueError, IndexError):
