@@ -341,25 +341,31 @@ def test_run_writes_the_classifier_report_and_flags_a_type_it_misses(tmp_path, t
     assert len(json.loads((tmp_path / "cov" / "classifier_predictions.json").read_text())) == 4
 
 
-@pytest.mark.parametrize("on_gap", ["warn", "fail"])
-def test_on_gap_applies_to_a_flagged_classifier(monkeypatch, caplog, on_gap):
+def calibrate_main_with(monkeypatch, report: dict, on_gap: str) -> int:
+    """`calibrate.main()` with params' coverage.on_gap set and `run` giving `report`: how a flagged coverage
+    report becomes a warning or a failure, without building a calibration set."""
     from pipelines.core import params as params_module
     from pipelines.models import loading as models
 
-    texts, labels = zip(*LABELLED)
-    measured = coverage.classifier_report(list(texts), list(labels), fruit(0.6))
-    report = {"domains": {}, "under_represented": [], "classifier_flagged": measured["flagged"],
-              "classifier": measured, "rule": "-", "unknown": {"production_share": 0.0, "flagged": False}}
     params = Params()
     params = params.model_copy(update={"coverage": params.coverage.model_copy(update={"on_gap": on_gap})})
     monkeypatch.setattr(params_module, "load_params", lambda: params)
     monkeypatch.setattr(models, "resolve_model", lambda model: type("Source", (), {"location": "tiny"})())
     monkeypatch.setattr(models, "load_tokenizer", lambda source: None)
     monkeypatch.setattr(calibrate, "run", lambda *args, **kw: report)
+    return calibrate.main()
+
+
+@pytest.mark.parametrize("on_gap", ["warn", "fail"])
+def test_on_gap_applies_to_a_flagged_classifier(monkeypatch, caplog, on_gap):
+    texts, labels = zip(*LABELLED)
+    measured = coverage.classifier_report(list(texts), list(labels), fruit(0.6))
+    report = {"domains": {}, "under_represented": [], "classifier_flagged": measured["flagged"],
+              "classifier": measured, "rule": "-", "unknown": {"production_share": 0.0, "flagged": False}}
     expected = r"classifier recognises too few labelled requests of a \(50.0%, 2/4\)"
     if on_gap == "fail":
         with pytest.raises(QuantgateError, match=expected + r".*coverage.on_gap is 'fail'"):
-            calibrate.main()
+            calibrate_main_with(monkeypatch, report, on_gap)
     else:
-        assert calibrate.main() == 0
+        assert calibrate_main_with(monkeypatch, report, on_gap) == 0
         assert "too few labelled requests of a (50.0%, 2/4)" in caplog.text

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from pipelines import calibrate
 from pipelines.core.errors import QuantgateError
-from pipelines.core.params import Params, load_params
+from pipelines.core.params import load_params
 from pipelines.core.params_sections import CoverageParams
 from pipelines.text import coverage
 from pipelines.text.classify import AMBIGUOUS, UNKNOWN, Classifier
+from tests.test_calibrate import calibrate_main_with
 
 UNKNOWN_SET = Path("tests/data/unknown_requests.jsonl")
 FRUIT = {"a": {"patterns": {"x": "apple"}, "when": "x >= 1", "priority": 1}}
@@ -118,24 +118,15 @@ def test_a_request_no_type_describes_is_labelled_unknown_and_counts_right_when_l
 
 @pytest.mark.parametrize("on_gap", ["warn", "fail"])
 def test_on_gap_applies_to_too_much_unknown_traffic(monkeypatch, caplog, on_gap):
-    from pipelines.core import params as params_module
-    from pipelines.models import loading as models
-
     measured = coverage.classifier_report(["kiwi"], [None], fruit(0.6))
     report = {"domains": {}, "under_represented": [], "classifier_flagged": [], "classifier": measured, "rule": "-",
               "unknown": {"production_share": 0.25, "flagged": True}}
-    params = Params()
-    params = params.model_copy(update={"coverage": params.coverage.model_copy(update={"on_gap": on_gap})})
-    monkeypatch.setattr(params_module, "load_params", lambda: params)
-    monkeypatch.setattr(models, "resolve_model", lambda model: type("Source", (), {"location": "tiny"})())
-    monkeypatch.setattr(models, "load_tokenizer", lambda source: None)
-    monkeypatch.setattr(calibrate, "run", lambda *args, **kw: report)
     expected = r"25.0% of .*production_sample.jsonl is claimed by no request type \(above coverage.max_unknown_share 0.1\)"
     if on_gap == "fail":
         with pytest.raises(QuantgateError, match=expected + r".*coverage.on_gap is 'fail'"):
-            calibrate.main()
+            calibrate_main_with(monkeypatch, report, on_gap)
     else:
-        assert calibrate.main() == 0
+        assert calibrate_main_with(monkeypatch, report, on_gap) == 0
         assert "is claimed by no request type" in caplog.text
 
 
