@@ -31,9 +31,19 @@ from pipelines.judging import sequential  # noqa: E402
 from pipelines.judging.verdict import judge  # noqa: E402
 
 ALPHA = 0.025  # params.yaml's compare.confidence 0.95, one-sided
+
+
+def spending() -> str:
+    """params.yaml's compare.spending: the looks are judged as the pipeline judges them."""
+    from pipelines.core.params import load_params
+
+    return load_params(Path(__file__).resolve().parents[1] / "params.yaml").compare.spending
 SCENARIOS = [("true drop = margin", -MARGIN, 0.10), ("equal to fp16, 7.5 % flips", 0.0, 0.075),
              ("2 points better, 12 % flips", 0.02, 0.12)]
 FAMILIES = [1, 2, 3, 4, 5, "5 unequal", 8, 20]
+
+
+SPENDING = spending()
 
 
 def labels_for(families, n: int, rng) -> np.ndarray:
@@ -49,7 +59,8 @@ def judged(base, variant, labels, looks: list[int], alpha: float, use_families: 
     ids = [f"i{k}" for k in range(len(base))]
     fam = dict(zip(ids, map(str, labels))) if use_families else None
     run = sequential.run_looks(dict(zip(ids, map(bool, base))), dict(zip(ids, map(bool, variant))), ids, looks, fam,
-                               MARGIN, alpha, "pocock")
+                               MARGIN, alpha, SPENDING)
+    run["paired"]["chance"] = 0.0  # generation probes: a guess scores nothing
     verdict, _, _ = judge(run["paired"], FIDELITY, MEMORY, POLICY, identical=False)
     return verdict, run["paired"]["items"], run["paired"]["design_effect"]
 
@@ -81,9 +92,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     measured.add_arguments(parser, "few_families")
     args = parser.parse_args()
-    single, sequence = [200], sequential.plan(1000, 200, None, 3)
+    single, sequence, whole = [200], sequential.plan(1000, 200, None, 3), [1000]
     jobs = [(g, name, diff, flips, plan) for g in FAMILIES for name, diff, flips in SCENARIOS
-            for plan in (single, sequence)]
+            for plan in (single, sequence)] + [(g, SCENARIOS[0][0], -MARGIN, SCENARIOS[0][2], whole) for g in FAMILIES]
     started = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
         # the margin rows (the false-pass rate, near 2.5 %) get every run; the others, far from 0 and 1, half
@@ -91,28 +102,29 @@ def main() -> None:
                                flips, plan) for k, (g, _, diff, flips, plan) in enumerate(jobs)]
         results = [f.result() for f in futures]
     seconds = time.perf_counter() - started
-    by = {(g, name, len(plan)): r for (g, name, _, _, plan), r in zip(jobs, results)}
+    by = {(g, name, plan[0] if len(plan) == 1 else len(plan)): r for (g, name, _, _, plan), r in zip(jobs, results)}
     se = (ALPHA * (1 - ALPHA) / args.runs) ** 0.5
     header = ["families", "scenario", "one look of 200: pass / inconclusive / fail (ignoring families: pass)",
               f"looks {'/'.join(map(str, sequence))}: pass / inconclusive / fail", "mean items",
-              "median design effect, one look"]
+              "median design effect, one look", "one look of all 1000 at the margin: pass"]
     rows = []
     for g in FAMILIES:
         for name, _, _ in SCENARIOS:
-            one, seq = by[(g, name, 1)], by[(g, name, len(sequence))]
+            one, seq = by[(g, name, 200)], by[(g, name, len(sequence))]
             at_margin = name.startswith("true drop")
 
             def cells(x, bold):
                 p = f"{x['pass']:.3f}"
                 return (f"**{p}**" if bold else p) + f" / {x['inconclusive']:.3f} / {x['fail']:.3f}"
             rows.append([str(g), name, cells(one, at_margin) + f" ({one['naive_pass']:.3f})", cells(seq, at_margin),
-                         f"{seq['items']:.0f}", f"{one['design_effect']:.2f}"])
+                         f"{seq['items']:.0f}", f"{one['design_effect']:.2f}",
+                         f"{by[(g, name, 1000)]['pass']:.3f}" if at_margin else ""])
             print(" | ".join(rows[-1]))
     print(f"\n{args.runs} runs per margin cell, seed {args.seed}; {seconds:.0f} s; Monte-Carlo standard error at 2.5 %: "
           f"{100 * se:.2f} %")
     note = (f"{args.runs:,} simulated runs per cell at the margin, {args.runs // 2:,} in the other rows (seeds "
             f"{args.seed} on, one per cell); margin {MARGIN:g}, one-sided α {ALPHA:g}, "
-            f"Pocock spending over the looks; Monte-Carlo standard error at the 2.5 % budget ± {100 * se:.2f} %; "
+            f"{SPENDING} spending over the looks; Monte-Carlo standard error at the 2.5 % budget ± {100 * se:.2f} %; "
             f"{seconds:.0f} s on {args.workers} workers.")
     measured.record(args.record, "few_families",
                     {"header": header, "rows": rows, "runs": args.runs, "seed": args.seed, "seconds": round(seconds, 1),

@@ -26,6 +26,7 @@ VERBS = {  # verb -> entry function; the stages are also dvc.yaml stages of the 
     "baseline": "pipelines.baseline:main",
     "evaluate": "pipelines.evaluate:main",
     "compare": "pipelines.compare:main",
+    "shadow": "pipelines.shadow:main",
     "route": "pipelines.route:main",
     "route lookup": "pipelines.routing.router:print_route",
     "record": "pipelines.record:main",
@@ -72,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     verb("evaluate", "stage 5: lm-eval probes per item + fidelity vs fp16 -> results/eval/<variant>.json", "variant",
          failed_because=True)
     verb("compare", "stage 6: paired A/B of every variant vs fp16 per domain -> results/compare.json")
+    verb("shadow", "stage 6b: replay a traffic log through fp16 and the passing variants -> results/shadow.json")
     p = verb("route", "stage 7: routing table -> results/routing_table.{json,yaml}; "
                       "`route lookup TEXT --context-tokens N` prints the variant serving a request")
     lookup = p.add_subparsers(dest="action", metavar="[lookup]").add_parser(

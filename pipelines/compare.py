@@ -4,8 +4,9 @@ A verdict is `pass` only when every limit of the domain's policy was checked on 
 a missing, NaN or placeholder value, items that do not pair with fp16's or do not follow the look
 plan, a missing baseline or a failed upstream stage all give `fail` (the gate then tells a missing
 baseline apart as "could not decide"). The accuracy rule is non-inferiority (pipelines/judging/sequential.py):
-`pass` when the interval's low end is at or above -margin, `fail` when the point estimate is below
--margin, `inconclusive` only when the interval straddles -margin after the last look. `inconclusive` never routes and never releases.
+`pass` when the interval's low end is at or above -margin, `fail` when its high end is below -margin,
+`inconclusive` when the interval holds -margin after the last look or fp16 itself is not above the probe's chance
+level (no signal). `inconclusive` never routes and never releases.
 `judging.verdict.judge` is the one function that turns numbers into a verdict; the gate re-derives with the same rules.
 A standard lm-eval task (`requests.<name>.tasks`) is its own row `<domain>:<task>` beside the domain's row, judged
 the same way under the domain's policy; `judge` also takes the domain's task-row verdicts, so the domain's

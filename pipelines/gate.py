@@ -17,7 +17,7 @@ from pipelines.core import lineage
 from pipelines.core.params import Params
 from pipelines.core.paths import BASELINE
 from pipelines.evaluation import standard_tasks
-from pipelines.judging.verdict import check_row, inconsistencies, usable, worst
+from pipelines.judging.verdict import check_row, inconsistencies, shadow_failures, usable, worst
 
 EXIT = {"pass": 0, "fail": 1, "undecided": 2}
 
@@ -35,12 +35,15 @@ def rerun_command(judged: object, judged_digest: object, now: dict | None) -> st
 
 
 def decide(report: dict | None, fresh: dict | None, params: Params, changes: list[str], upstream_digest: str | None,
-           gated: list[str] | None = None, upstream_stages: dict | None = None) -> dict:
+           gated: list[str] | None = None, upstream_stages: dict | None = None, shadow: dict | None = None,
+           table: dict | None = None) -> dict:
     """The release verdict over the gated variants (default: every variant and candidate).
 
     report: compare.json as found; fresh: compare recomputed now from the workspace's files; changes: what
     DVC's status says differs from dvc.lock; upstream_digest/upstream_stages: dvc.lock's entries of the stages
-    before compare, now (lineage). Anything stale or inconsistent is `undecided`, never `pass`.
+    before compare, now (lineage); shadow/table: results/shadow.json and the routing table (a variant whose replay
+    failed, or that the replay refused for every request type, fails: verdict.shadow_failures). Anything stale or
+    inconsistent is `undecided`, never `pass`.
     """
     names = gated or [*[n for n in params.variants if n != BASELINE], *params.candidates]
     result = {"verdict": "undecided", "gated": names, "reasons": [], "variants": {}}
@@ -90,7 +93,11 @@ def decide(report: dict | None, fresh: dict | None, params: Params, changes: lis
             per_domain[domain] = verdict
             outcomes.append(verdict)
             result["reasons"].extend(why)
-        result["variants"][name] = {"verdict": worst(per_domain.values()), "domains": per_domain}
+        replay = shadow_failures(name, shadow, table)
+        outcomes += ["fail"] * bool(replay)
+        result["reasons"].extend(replay)
+        verdicts = [*per_domain.values(), *(["fail"] if replay else [])]
+        result["variants"][name] = {"verdict": worst(verdicts), "domains": per_domain}
     if broken:
         result["verdict"] = "undecided"
         result["reasons"] = ["compare.json is not what its numbers and the workspace's per-item records give: "
@@ -109,8 +116,43 @@ def _fmt(value, spec: str) -> str:
     return format(int(value) if spec == "d" else value, spec)
 
 
-def render_report(result: dict, report: dict | None, table: dict | None) -> str:
-    """results/report.md: the verdict, the per-domain evidence and the routing table, for a pull request."""
+def shadow_lines(table: dict, policy_for=None) -> list[str]:
+    """report.md's "Shadow replay": per routed (type, variant) the exact agreement with fp16 on the replayed traffic
+    and whether it met the policy's min_agreement, and each variant the replay refused. Empty for a routing table
+    built before route listened to the shadow replay."""
+    rows = table.get("rows") or []
+    if not any("shadow" in r for r in rows):
+        return []
+    routed: dict[tuple, list] = {}
+    refused: dict[tuple, list] = {}
+    for r in rows:
+        s = r.get("shadow")
+        if r.get("serve") != BASELINE and s:
+            routed.setdefault((r["domain"], r["serve"], s.get("bucket")), [s]).append(r["max_context_tokens"])
+        for c in r.get("considered") or []:
+            if c.get("shadow_refused"):
+                refused.setdefault((r["domain"], c["variant"], c["shadow_refused"]), []).append(r["max_context_tokens"])
+    lines = ["### Shadow replay", ""]
+    if routed:
+        lines += ["| type | ≤ tokens | variant | replayed (bucket) | exact agreement [interval] | min_agreement |",
+                  "|---|---|---|---|---|---|"]
+    for (domain, variant, bucket), (s, *tokens) in routed.items():
+        exact = s.get("exact") or {}
+        need = getattr(policy_for(domain), "min_agreement", None) if policy_for else None
+        met = "n/a" if not usable(need) or not usable(exact.get("share")) else \
+            f"{'met' if exact['share'] >= need else '**not met**'} ({need:.2f})"
+        lines.append(f"| {domain} | {', '.join(map(str, tokens))} | {variant} | {_fmt(s.get('requests'), 'd')} ({bucket}) | "
+                     f"{_fmt(exact.get('share'), '.3f')} [{_fmt(exact.get('low'), '.3f')}, {_fmt(exact.get('high'), '.3f')}] | {met} |")
+    if not routed:
+        lines.append("No variant routed: fp16 serves every type.")
+    lines += [""] + [f"- refused by the replay: {variant} for {domain} (≤ {', '.join(map(str, tokens))} tokens): {why}"
+                     for (domain, variant, why), tokens in refused.items()]
+    return lines + ([""] if refused else [])
+
+
+def render_report(result: dict, report: dict | None, table: dict | None, policy_for=None) -> str:
+    """results/report.md: the verdict, the per-domain evidence, the routing table and the shadow replay behind it,
+    for a pull request (`policy_for`: params.compare.policy_for, for each type's min_agreement)."""
     head = {"pass": "PASS", "fail": "FAIL", "undecided": "UNDECIDED (counts as a failure)"}[result["verdict"]]
     lines = [f"## quantgate release gate: {head}", ""]
     lines.append(f"Gated: {', '.join(result['gated']) or 'nothing'}. Results digest `{(result.get('results_digest') or 'none')[:12]}`"
@@ -147,6 +189,7 @@ def render_report(result: dict, report: dict | None, table: dict | None) -> str:
         lines += [f"| {r['domain']} | {r['max_context_tokens']} | {r['serve']} | {r['fallback_under_memory_pressure']} |"
                   for r in table["rows"]]
         lines.append("")
+        lines += shadow_lines(table, policy_for)
     return "\n".join(lines)
 
 
@@ -182,16 +225,17 @@ def main(variant: list[str] | None = None, promote: bool = False, audit: bool = 
     from pipelines.core.paths import GATE_REPORT, GATE_RESULT
 
     result = {"verdict": "undecided", "gated": variant or [], "results_digest": None, "reasons": []}
-    report = fresh = table = None
+    report = fresh = table = policy_for = None
     try:
         from pipelines.core.errors import QuantgateError
         from pipelines.core.lineage import git_commit, lock_digest, results_digest, stage_digests, workspace_changes
         from pipelines.core.params import load_params
-        from pipelines.core.paths import COMPARE_REPORT, MLFLOW_RUN, RESULTS, ROUTING_TABLE, VARIANTS_DIR
+        from pipelines.core.paths import COMPARE_REPORT, MLFLOW_RUN, RESULTS, ROUTING_TABLE, SHADOW_REPORT, VARIANTS_DIR
         from pipelines.evaluation.plans import probe_plans
         from pipelines.judging.comparison import compare_all
 
         params = load_params()
+        policy_for = params.compare.policy_for
         unknown = [n for n in variant or [] if n not in params.variants and n not in params.candidates]
         if unknown:
             raise QuantgateError(f"--variant {unknown[0]!r} is neither a variant nor a candidate in params.yaml")
@@ -204,7 +248,8 @@ def main(variant: list[str] | None = None, promote: bool = False, audit: bool = 
             fresh = compare_all(list(params.variants), list(params.candidates),
                                 probe_plans(params.evaluate.domains, params.evaluate), params.compare, RESULTS,
                                 VARIANTS_DIR)
-        result = decide(report, fresh, params, changes, lock_digest(), variant or None, stage_digests())
+        shadow = read_json(SHADOW_REPORT) if SHADOW_REPORT.is_file() else None
+        result = decide(report, fresh, params, changes, lock_digest(), variant or None, stage_digests(), shadow, table)
         if audit and not changes:  # a stale workspace is undecided already: its checkpoints are not DVC's
             result["audit"] = _audit(params, variant, audit_seed)
             if result["audit"]["verdict"] != "ok":
@@ -238,7 +283,7 @@ def main(variant: list[str] | None = None, promote: bool = False, audit: bool = 
     result["exit_code"] = EXIT[result["verdict"]]
     try:
         write_json(GATE_RESULT, result)
-        atomic_write_text(GATE_REPORT, render_report(result, fresh or report, table))
+        atomic_write_text(GATE_REPORT, render_report(result, fresh or report, table, policy_for))
     except Exception as err:  # noqa: BLE001
         print(f"quantgate gate: could not write results/gate.json: {err}", file=sys.stderr)
         return 2

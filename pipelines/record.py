@@ -4,7 +4,8 @@ One parent run per pipeline result (keyed by the digest of every dvc.lock entry 
 changed policy or any changed result is a new parent run), one
 child run per variant and candidate with settings as params, every number as a metric under readable
 names (`math/accuracy`, `memory/footprint_bytes`), verdicts as tags, manifests and per-item records as
-artifacts. Recording the same digest twice finds the first run and writes nothing: DVC may restore
+artifacts, and a child run `shadow` with the shadow replay (agreement with fp16 per request type, latency, the
+rollout plan) where the results have one. Recording the same digest twice finds the first run and writes nothing: DVC may restore
 stages from its run-cache without running them, so idempotence is by content, not by execution.
 
 What each run shows is store/layout.py; how a passing variant's checkpoint becomes a registered version that
@@ -25,14 +26,17 @@ from pipelines.core.errors import QuantgateError
 from pipelines.core.io import read_json, read_jsonl, sha256_file
 from pipelines.core.params import DERIVED_FROM_REQUESTS, Params
 from pipelines.core.paths import (BASELINE, BUILT_DIR, COMPARE_REPORT, COMPARE_TABLE, COVERAGE_DIR, DVC_LOCK, EVAL_DIR,
-                                  EVAL_RESULTS, MANIFEST, MEMORY_RESULTS, MEMORY_SUMMARY, MLARTIFACTS, PARAMS_FILE,
-                                  PLOTS_DIR, QUANTIZE_RESULTS, RESULTS, ROUTING_TABLE, VARIANTS_DIR)
+                                  EVAL_RESULTS, KSERVE_DIR, MANIFEST, MEMORY_RESULTS, MEMORY_SUMMARY, MLARTIFACTS,
+                                  PARAMS_FILE, PLOTS_DIR, QUANTIZE_RESULTS, RESULTS, ROLLOUT_PLAN, ROUTING_TABLE,
+                                  SHADOW_METRICS, SHADOW_REPORT, VARIANTS_DIR)
 from pipelines.judging.comparison import flat_rows
+from pipelines.judging.verdict import shadow_failures
 from pipelines.store.client import experiment_id, recording_lock, served, using_store
 from pipelines.store.layout import (FORMAT_TAG, KIND_TAG, RECORD_FORMAT, RUN_TYPE_EVALUATION, RUN_TYPE_TAG,
-                                    checkpoint_sha256, child_description, child_metrics, child_params, child_run_name,
-                                    classifier_metrics, flatten, parent_metrics, parent_verdict_tags, routing_rows,
-                                    write_verdict_view)
+                                    SHADOW_RUN_NAME, checkpoint_sha256, child_description, child_metrics, child_params,
+                                    child_run_name, classifier_metrics, flatten, parent_metrics, parent_verdict_tags,
+                                    routing_rows, shadow_agreement_rows, shadow_description, shadow_latency_rows,
+                                    shadow_metrics, shadow_params, write_verdict_view)
 from pipelines.store.registry import DIGEST_TAG, delete_versions, log_checkpoint, reconcile_candidate, register_passing
 
 COMPLETE_TAG = "quantgate.complete"  # set on the parent run once every child is logged and every version registered
@@ -141,10 +145,16 @@ def _record_locked(client: MlflowClient, params: Params, digest: str, commit: di
         checkpoints = {}
         for name in names:
             children[name], checkpoints[name] = _record_child(name, report, params, root, digest, exp_id)
-    registered = register_passing(client, params.registered_model_name(), report, children, checkpoints, digest)
+        shadow_run = _record_shadow(root, digest, exp_id) if (root / SHADOW_REPORT).is_file() else None
+    # a variant the shadow replay failed (its replay crashed, or it agreed with fp16 on no request type) is not a
+    # release candidate, whatever compare says: the gate fails it too (verdict.shadow_failures)
+    shadow = read_json(root / SHADOW_REPORT) if (root / SHADOW_REPORT).is_file() else None
+    releasable = {**report, "variants": {n: (v if not shadow_failures(n, shadow, table) else {**v, "verdict": "fail"})
+                                         for n, v in report["variants"].items()}}
+    registered = register_passing(client, params.registered_model_name(), releasable, children, checkpoints, digest)
     client.set_tag(parent.info.run_id, COMPLETE_TAG, "true")
     return {"status": "recorded", "parent_run_id": parent.info.run_id, "experiment_id": exp_id,
-            "children": children, "registered": registered,
+            "children": children, "shadow_run_id": shadow_run, "registered": registered,
             "unregistered": [{"variant": n, "reason": c["refused"]} for n, c in checkpoints.items() if c and "refused" in c]}
 
 
@@ -190,6 +200,27 @@ def _record_child(name: str, report: dict, params: Params, root: Path, digest: s
         return child.info.run_id, checkpoint
 
 
+def _record_shadow(root: Path, digest: str, exp_id: str) -> str:
+    """The `shadow` child run: the replay's settings as params, agreement and latency as metrics and tables, its
+    plots, and the rollout plan and KServe manifests that route wrote from it (older results have no shadow.json:
+    no such child)."""
+    shadow = read_json(root / SHADOW_REPORT)
+    measured = read_json(root / SHADOW_METRICS) if (root / SHADOW_METRICS).is_file() else None
+    tags = {KIND_TAG: SHADOW_RUN_NAME, DIGEST_TAG: digest, RUN_TYPE_TAG: RUN_TYPE_EVALUATION,
+            "mlflow.note.content": shadow_description(shadow),
+            **{f"shadow.{m}.status": str((e or {}).get("status")) for m, e in (shadow.get("models") or {}).items()}}
+    with mlflow.start_run(experiment_id=exp_id, run_name=SHADOW_RUN_NAME, nested=True, tags=tags) as child:
+        mlflow.log_params(shadow_params(shadow))
+        mlflow.log_metrics(shadow_metrics(shadow, measured))
+        mlflow.log_table(pd.DataFrame(shadow_agreement_rows(shadow)), "tables/shadow_agreement.json")
+        mlflow.log_table(pd.DataFrame(shadow_latency_rows(shadow, measured)), "tables/shadow_latency.json")
+        _log_files([root / SHADOW_REPORT, root / SHADOW_METRICS], "results")
+        _log_files([root / PLOTS_DIR / "shadow_agreement.png", root / PLOTS_DIR / "shadow_latency.png"], "plots")
+        _log_files([root / ROLLOUT_PLAN], "rollout")
+        _log_files(sorted((root / KSERVE_DIR).glob("*.yaml")), "rollout/kserve")
+        return child.info.run_id
+
+
 def main() -> int:
     """Stage `record`: everything into MLflow (parent + child runs, tables, datasets), passing variants into the registry."""
     import logging
@@ -215,7 +246,7 @@ def main() -> int:
         log.info("record: results %s already recorded as run %s: nothing written", digest[:12], summary["parent_run_id"])
     else:
         log.info("record: parent run %s with %d child runs in experiment %r (%s)", summary["parent_run_id"],
-                 len(summary["children"]), params.mlflow.experiment, uri)
+                 len(summary["children"]) + bool(summary.get("shadow_run_id")), params.mlflow.experiment, uri)
         for row in summary["registered"]:
             log.info("record: registered %s as %s version %s", row["variant"], params.registered_model_name(), row["version"])
         if summary["registered"]:

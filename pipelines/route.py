@@ -5,6 +5,9 @@ bucket's context length reaches the policy's `min_memory_saving_pct`; fp16 when 
 Fallback under memory pressure: the cheapest passing variant at all (it may save less than the
 routing threshold); fp16's row falls back to itself only when nothing passed. Cost = measured load
 footprint + measured KV bytes per token x the bucket's upper bound.
+Listens to the shadow replay (results/shadow.json, docs/shadow.md): a passing variant serves a type only if it
+answered at least `min_agreement` of that type's replayed requests exactly as fp16 did, over at least
+`shadow.min_requests` of them; else the next one does. Writes the rollout plan for what it routes.
 """
 
 from __future__ import annotations
@@ -41,21 +44,74 @@ def provenance(name: str, variants_dir: Path, compare_row: dict | None) -> dict:
             "method": manifest.get("method"), "device": manifest.get("device")}
 
 
+def shadow_numbers(shadow: dict, name: str, domain: str, tokens: int,
+                   min_requests: int) -> tuple[dict | None, str | None]:
+    """The variant's replayed agreement for the row (its bucket, or "all" where the bucket holds fewer than
+    `min_requests`), and why it cannot serve on them (None: it can, if its share is high enough)."""
+    model = shadow.get("models", {}).get(name)
+    if model is None:
+        return None, f"not in the shadow replay ({name} was not replayed)"
+    if model.get("status") != "ok":
+        return None, f"shadow replay failed ({model.get('error') or 'no error recorded'})"
+    by_bucket = (model.get("agreement") or {}).get(domain) or {}
+    own = by_bucket.get(str(tokens)) or {}
+    key = str(tokens) if own.get("requests", 0) >= min_requests else "all"
+    numbers = by_bucket.get(key)
+    if not numbers or numbers.get("requests", 0) < min_requests:
+        count = (numbers or {}).get("requests", 0)
+        return None, (f"too few replayed {domain} requests for the shadow check ({count} < shadow.min_requests "
+                      f"{min_requests})")
+    exact = numbers.get("exact") or {}
+    if not all(usable(exact.get(k)) for k in ("share", "low", "high")):
+        return None, f"no usable exact agreement for {domain} (bucket {key}) in the shadow report ({exact!r})"
+    out = {"variant": name, "bucket": key, "requests": numbers["requests"], "exact": exact,
+           "similarity_mean": (numbers.get("similarity") or {}).get("mean"),
+           "outcome_share": (numbers.get("outcome") or {}).get("share"),
+           "bucket_requests": own.get("requests", 0)}
+    if key == "all" and own.get("requests"):
+        out["bucket_exact"] = own.get("exact")
+    return out, None
+
+
+def listens(candidate: dict, shadow: dict | None, domain: str, tokens: int, policy, min_requests: int) -> bool:
+    """Whether the shadow replay lets the candidate serve the row; records the numbers and the reason in it.
+
+    On evidence, as compare's rule: the low end of the exact agreement's Wilson interval must reach the type's
+    `min_agreement`; judged on all of the type's buckets where the row's own holds fewer than `min_requests`, but
+    never against the bucket's own evidence (its interval's high end below `min_agreement` refuses)."""
+    if shadow is None:
+        return True
+    numbers, why = shadow_numbers(shadow, candidate["variant"], domain, tokens, min_requests)
+    if why is None:
+        exact, need = numbers["exact"], policy.min_agreement
+        own = numbers.get("bucket_exact") or {}
+        if exact["low"] < need:
+            why = (f"shadow agreement {exact['share']:.2f} [{exact['low']:.2f}, {exact['high']:.2f}] on "
+                   f"{numbers['requests']} replayed {domain} requests: its low end is below {need:.2f}")
+        elif usable(own.get("high")) and own["high"] < need:
+            why = (f"shadow agreement in the {tokens}-token bucket {own['share']:.2f} [{own['low']:.2f}, "
+                   f"{own['high']:.2f}] on {numbers['bucket_requests']} requests is below {need:.2f}")
+    candidate["shadow"] = numbers
+    candidate["shadow_refused"] = why
+    return why is None
+
+
 def baseline_rows(names: list[str], buckets: list[int], why: str, digest: str | None, base_mem: dict | None) -> list[dict]:
     """Rows that fp16 serves whatever was measured: requests the classifier could not decide, and declared
     request types that were not evaluated."""
     return [{"domain": name, "max_context_tokens": tokens, "serve": BASELINE, "fallback_under_memory_pressure": BASELINE,
-             "reason": why.format(name=name), "cost_bytes": {"serve": cost_bytes(base_mem, tokens), "fp16": cost_bytes(base_mem, tokens)}, "evidence": None,
+             "reason": why.format(name=name), "cost_bytes": {"serve": cost_bytes(base_mem, tokens), "fp16": cost_bytes(base_mem, tokens)}, "evidence": None, "shadow": None,
              "considered": [], "provenance": {"checkpoint_sha256": {}, "calibration_sha256": None, "dvc_lock_sha256": digest}}
             for name in names for tokens in buckets]
 
 
 def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path, digest: str | None,
-                classifier: dict[str, dict] | None = None) -> dict:
+                classifier: dict[str, dict] | None = None, shadow: dict | None = None, min_requests: int = 20) -> dict:
     """The routing table: one row per domain and context bucket, plus fp16 rows for what was not judged.
 
     `classifier`: every declared request type's rule (params.ClassifyParams as dicts); the table carries it, so
-    the router classifies with exactly the rules the table was built for."""
+    the router classifies with exactly the rules the table was built for. `shadow`: results/shadow.json, whose
+    agreement a variant needs to serve (the stage always passes it; None judges on compare.json alone)."""
     base_mem = report["fp16"].get("memory")
     rows = []
     for domain in report["domains"]:
@@ -68,18 +124,23 @@ def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path
                 cost = cost_bytes(v.get("memory"), tokens)
                 saving = 100 * (1 - cost / base_cost) if cost is not None and base_cost else None
                 considered.append({"variant": name, "verdict": d["verdict"], "cost_bytes": cost, "saving_pct": saving,
-                                   "reasons": d["reasons"]})
-            passing = sorted((c for c in considered if c["verdict"] == "pass" and c["saving_pct"] is not None),
-                             key=lambda c: c["cost_bytes"])
+                                   "reasons": d["reasons"], "shadow": None, "shadow_refused": None})
+            judged = sorted((c for c in considered if c["verdict"] == "pass" and c["saving_pct"] is not None),
+                            key=lambda c: c["cost_bytes"])
+            passing = [c for c in judged if listens(c, shadow, domain, tokens, policy, min_requests)]
+            refused = "; ".join(f"{c['variant']}: {c['shadow_refused']}" for c in judged if c["shadow_refused"])
             worth = [c for c in passing if c["saving_pct"] >= policy.min_memory_saving_pct]
             serve = worth[0]["variant"] if worth else BASELINE
             fallback = passing[0]["variant"] if passing else BASELINE
             chosen = next((c for c in considered if c["variant"] == serve), None)
             if serve == BASELINE:
-                why = ("no variant passed" if not passing else
+                why = ("no variant passed" if not judged else
+                       "the shadow replay refused every passing variant" if not passing else
                        f"passing variants save less than {policy.min_memory_saving_pct} % at {tokens} tokens")
             else:
                 why = f"cheapest passing variant, saves {chosen['saving_pct']:.1f} % against fp16 at {tokens} tokens"
+            if refused:
+                why += f" (shadow replay refused {refused})"
             evidence = report["variants"][serve]["domains"][domain] if serve != BASELINE else None
             rows.append({
                 "domain": domain, "max_context_tokens": tokens, "serve": serve, "fallback_under_memory_pressure": fallback,
@@ -89,6 +150,7 @@ def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path
                     "ci_low": evidence["paired"]["ci_low"], "ci_high": evidence["paired"]["ci_high"],
                     "flip_rate": evidence["paired"]["flip_rate"], "mcnemar_p": evidence["paired"]["mcnemar_p"],
                     "kl": evidence["checks"]["kl"], "items": evidence["paired"]["items"]},
+                "shadow": chosen.get("shadow") if chosen else None,
                 "considered": considered,
                 "provenance": {**provenance(serve, variants_dir, report["variants"].get(serve)), "dvc_lock_sha256": digest},
             })
@@ -106,22 +168,58 @@ def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path
     return table
 
 
+def read_shadow(path: Path) -> dict:
+    """results/shadow.json; without it route cannot decide, so a missing or broken file stops the stage."""
+    from pipelines.core.errors import QuantgateError
+
+    try:
+        shadow = read_json(path)
+    except QuantgateError as err:
+        raise QuantgateError(f"{err}: route cannot decide without the shadow replay (run `quantgate shadow`)") from None
+    if not isinstance(shadow, dict) or not isinstance(shadow.get("models"), dict):
+        raise QuantgateError(f"{path}: key 'models': missing or not a mapping, not a shadow report "
+                             "(docs/shadow.md); route cannot decide without it")
+    return shadow
+
+
+def write_rollout(table: dict, policy_for, plan_path: Path, kserve_dir: Path) -> dict:
+    """results/rollout.yaml and results/kserve/<type>.yaml (the folder replaced whole: no stale manifest stays)."""
+    import yaml
+
+    from pipelines.core.io import atomic_dir, atomic_write_text, write_yaml
+    from pipelines.routing.rollout import build_plan
+
+    plan, manifests = build_plan(table, policy_for, kserve_dir.as_posix())
+    with atomic_dir(kserve_dir) as tmp:
+        for domain, docs in manifests.items():
+            atomic_write_text(tmp / f"{domain}.yaml", yaml.safe_dump_all(docs, sort_keys=False, allow_unicode=True))
+    write_yaml(plan_path, plan)
+    return plan
+
+
 def main() -> int:
-    """Stage `route`: build the routing table from compare.json (`quantgate route lookup` serves it: routing/router.py)."""
+    """Stage `route`: build the routing table from compare.json and shadow.json (`quantgate route lookup` serves
+    it: routing/router.py), and the rollout plan for what it routes."""
     import logging
 
     from pipelines.core.io import write_json, write_yaml
     from pipelines.core.lineage import lock_digest
     from pipelines.core.params import load_params
-    from pipelines.core.paths import COMPARE_REPORT, ROUTING_TABLE, VARIANTS_DIR
+    from pipelines.core.paths import (COMPARE_REPORT, KSERVE_DIR, ROLLOUT_PLAN, ROUTING_TABLE, SHADOW_REPORT,
+                                      VARIANTS_DIR)
 
     log = logging.getLogger(__name__)
     params = load_params()
     report = read_json(COMPARE_REPORT)
+    shadow = read_shadow(SHADOW_REPORT)
+    min_requests = getattr(getattr(params, "shadow", None), "min_requests", 20)
     table = build_table(report, params.route.context_buckets, params.compare.policy_for, VARIANTS_DIR,
-                        lock_digest(), {name: rule.model_dump() for name, rule in params.coverage.classify.items()})
+                        lock_digest(), {name: rule.model_dump() for name, rule in params.coverage.classify.items()},
+                        shadow, min_requests)
     write_json(ROUTING_TABLE, table)
     write_yaml(ROUTING_TABLE.with_suffix(".yaml"), table)
+    write_rollout(table, params.compare.policy_for, ROLLOUT_PLAN, KSERVE_DIR)
+    log.info("route: rollout plan %s, KServe manifests in %s", ROLLOUT_PLAN, KSERVE_DIR)
     for row in table["rows"]:
         log.info("route %-12s <= %6d tokens: serve %-8s fallback %-8s (%s)", row["domain"], row["max_context_tokens"],
                  row["serve"], row["fallback_under_memory_pressure"], row["reason"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-from pipelines.core.io import write_json, write_jsonl
+from pipelines.core.io import read_json, write_json, write_jsonl
 
 DOMAINS = ["math", "code"]
 KL = {"mean": 0.01, "stderr": 0.001, "max": 0.4, "p99_9": 0.3, "p99": 0.2, "p95": 0.05, "p90": 0.02,
@@ -50,7 +50,7 @@ def write_model(root: Path, name: str, answers: dict[str, list[bool]], *, kl: di
             items.append({"domain": domain, "task": f"quantgate_{domain}", "item_id": f"{domain}-{i:04d}", "doc_id": i,
                           "family": f"f{i % 8}",
                           "doc_hash": f"d{domain}{i}", "prompt_hash": f"p{domain}{i}", "target": f"answer-{i}",
-                          "response": response, "correct": correct})
+                          "response": response, "correct": correct, "chance": 0.0})
         probes[domain] = {"task": f"quantgate_{domain}", "status": "ok", "task_version": 1.0, "metric": "acc",
                           "score": sum(row) / len(row) if row else None, "stderr": 0.03, "items": len(row)}
         fidelity[domain] = {"tokens": tokens, "kl": copy.deepcopy(kl or KL), "same_top1": 0.95, "rms_delta_p": 0.05,
@@ -161,11 +161,35 @@ def rerun_compare(root: Path) -> tuple[dict, dict]:
     report["dvc_lock_sha256"] = digest = lineage.lock_digest(root / "dvc.lock")
     report["dvc_lock_stages"] = lineage.stage_digests(root / "dvc.lock")
     write_json(root / "results/compare.json", report)
+    shadow = root / "results/shadow.json"  # written by write_shadow: route listens to it
     table = route.build_table(report, params.route.context_buckets, params.compare.policy_for, root / "models/variants",
-                              digest)
+                              digest, shadow=read_json(shadow) if shadow.is_file() else None)
     write_json(root / "results/routing_table.json", table)
     dvc_commit(root)
     return report, table
+
+
+def write_shadow(root: Path, shares: dict[str, dict[str, float]], requests: int = 40) -> None:
+    """results/shadow.json and shadow_metrics.json as stage shadow writes them: `shares` is variant -> type -> exact
+    agreement with fp16 (the same in every bucket); rerun_compare then routes on it."""
+    def cell(share):
+        return {"requests": requests, "exact": {"share": share, "low": share - 0.1, "high": min(1.0, share + 0.1)},
+                "first_difference": {"median": 3.0, "mean": 3.5}, "similarity": {"mean": 0.9, "low": 0.85, "high": 0.95},
+                "outcome": None}
+    models = {"fp16": {"status": "ok", "error": None}} | {
+        name: {"status": "ok", "error": None, "agreement": {t: {"64": cell(v), "all": cell(v)} for t, v in types.items()}}
+        for name, types in shares.items()}
+    write_json(root / "results/shadow.json", {
+        "baseline": "fp16", "traffic": {"path": "traffic.jsonl", "sha256": "ab" * 32, "requests": 2 * requests,
+                                        "replayed": 2 * requests, "skipped": {"too_long": 0}, "by_type": {}},
+        "settings": {"max_new_tokens": 16, "max_batch": 8, "time_compression": None, "store": "masked"}, "models": models})
+    latency = {"ttft_ms": {"p50": 10.0, "p99": 40.0}, "tpot_ms": {"p50": 2.0, "p99": 7.0}, "tokens_per_s": 1000.0}
+    write_json(root / "results/shadow_metrics.json", {
+        "models": {n: {"latency": latency, "memory": {"measure": "rss", "start_bytes": 100, "peak_bytes": 1000,
+                                                     "growth_bytes": 900, "growth_pct": 900.0}, "seconds": 1.0}
+                   for n in models},
+        "memory_saving": {n: {"replay_pct": 40.0, "claimed_pct": 35.0, "agrees": True, "tolerance_pct": 10.0}
+                          for n in shares}})
 
 
 def write_pipeline(root: Path, answers: dict[str, dict[str, list[bool]]]) -> dict:

@@ -19,7 +19,7 @@ from tests.handmade import correctness, memory_row, plans, write_eval_items, wri
 N = 400
 PARAMS = CompareParams()
 POLICY = dict(max_accuracy_drop=0.05, max_flip_rate=0.15, kl_percentile="p99", max_kl=1.0, max_growth_excess_pct=1.0,
-              min_memory_saving_pct=10.0)
+              min_memory_saving_pct=10.0, min_agreement=0.5)
 
 
 def run_compare(root, variants, candidates=(), domains=("math", "code"), params=PARAMS, look_items=10_000):
@@ -49,7 +49,8 @@ def test_clear_pass_and_clear_fail(fp16):
 
     awq4 = report["variants"]["awq4"]
     assert awq4["domains"]["math"]["verdict"] == "fail"
-    assert any("accuracy drops 0.150 > margin 0.050" in r for r in awq4["domains"]["math"]["reasons"])
+    assert any("accuracy drops 0.150: interval [" in r and "lies below -0.050" in r
+               for r in awq4["domains"]["math"]["reasons"])
     assert awq4["domains"]["code"]["verdict"] == "pass"
     assert awq4["verdict"] == "fail"  # one failing domain fails the variant
     assert report["fp16"]["accuracy"] == {"math": 0.75, "code": 0.75}
@@ -75,8 +76,10 @@ def test_decision_rule_at_its_boundaries(fp16):
     straddle = verdict(-low - 1e-6)
     assert straddle["verdict"] == "inconclusive"  # point estimate inside, interval reaches below
     assert straddle["reasons"][0].startswith("accuracy interval [") and "straddles -" in straddle["reasons"][0]
-    assert verdict(0.02)["verdict"] == "inconclusive"  # point estimate exactly -margin is not below it
-    assert verdict(0.0199)["verdict"] == "fail"  # point estimate below -margin
+    assert verdict(0.0199)["verdict"] == "inconclusive"  # point estimate below -margin is no evidence of a larger drop
+    high = paired["ci_high"]
+    assert verdict(-high - 1e-6)["verdict"] == "fail"  # the whole interval below -margin: evidence of a larger drop
+    assert verdict(-high + 1e-6)["verdict"] == "inconclusive"
     assert "more items would decide" in straddle["reasons"][-1] or "more families" in straddle["reasons"][-1]
     assert straddle["items_to_decide"] > 0
 
@@ -215,7 +218,7 @@ def test_items_with_other_prompts_do_not_pair(fp16):
 
 
 def test_numbers_that_contradict_each_other_fail_in_judge():
-    paired = stats.paired_comparison(np.array(correctness(N, 300)), np.array(correctness(N, 300, lose=1)))
+    paired = stats.paired_comparison(np.array(correctness(N, 300)), np.array(correctness(N, 300, lose=1))) | {"chance": 0.0}
     policy = PolicyParams(**POLICY)
     fidelity, memory = {"tokens": 500, "kl": {"p99": 0.1}}, memory_row("int8")
     assert judge(paired, fidelity, memory, policy, False)[0] == "pass"
@@ -229,11 +232,30 @@ def test_probes_that_nobody_answers_measure_nothing_and_cannot_pass():
     policy = PolicyParams(**POLICY)
     fidelity, memory = {"tokens": 500, "kl": {"p99": 0.1}}, memory_row("int8")
     nothing = np.zeros(300, bool)  # a broken answer extraction scores fp16 and the variant 0 on every item
-    verdict, reasons, _ = judge(stats.paired_comparison(nothing, nothing), fidelity, memory, policy, False)
+    verdict, reasons, _ = judge(stats.paired_comparison(nothing, nothing) | {"chance": 0.0}, fidelity, memory, policy, False)
     assert verdict == "fail" and any("answer none of the 300 items" in r for r in reasons)
     one = nothing.copy()
     one[7] = True  # one item right on both sides: the probes measure something, and 0 flips of 300 pass
-    assert judge(stats.paired_comparison(one, one), fidelity, memory, policy, False)[0] == "pass"
+    assert judge(stats.paired_comparison(one, one) | {"chance": 0.0}, fidelity, memory, policy, False)[0] == "pass"
+
+
+def test_no_signal_no_pass():
+    """fp16 and a variant both guessing on a 4-choice probe (a model with random weights): the interval of their
+    difference sits inside the margin, but fp16 is not above chance, so the row is inconclusive, never a pass; the
+    same accuracies on a generation probe (chance 0) are signal. A row without a chance level fails."""
+    policy = PolicyParams(**POLICY)
+    fidelity, memory = {"tokens": 500, "kl": {"p99": 0.1}}, memory_row("int8")
+    rng = np.random.default_rng(0)
+    base, variant = rng.random(600) < 0.25, rng.random(600) < 0.25
+    variant[:500] = base[:500]  # most items answered alike: an interval that clears the margin
+    paired = stats.paired_comparison(base, variant, confidence=0.95)
+    assert paired["ci_low"] > -0.05 and paired["accuracy_fp16_low"] < 0.25
+    verdict, reasons, checks = judge(paired | {"chance": 0.25}, fidelity, memory, policy, False)
+    assert verdict == "inconclusive" and reasons[0].startswith("no signal: fp16 answers")
+    assert checks["signal"]["decision"] == "no" and checks["accuracy_drop"]["decision"] == "inconclusive"
+    assert judge(paired | {"chance": 0.0}, fidelity, memory, policy, False)[0] == "pass"
+    verdict, reasons, _ = judge(paired, fidelity, memory, policy, False)
+    assert verdict == "fail" and any("chance level is missing" in r for r in reasons)
 
 
 # --- looks: sequential decisions through compare ---------------------------------------------------------
@@ -271,12 +293,15 @@ def write_looked(tmp_path, var, order, upto):
 def test_a_decided_first_look_stops_there(tmp_path):
     var, order = sequential_fixture(tmp_path, lose_first=0)
     write_looked(tmp_path, var, order, 200)
-    row = run_compare(tmp_path, ["int8"], domains=("math",), look_items=200)["variants"]["int8"]["domains"]["math"]
+    front_loaded = CompareParams(spending="pocock")  # (the default hsd:-1.5 leaves 0 flips of 200 in 8 families undecided)
+    row = run_compare(tmp_path, ["int8"], domains=("math",), look_items=200,
+                      params=front_loaded)["variants"]["int8"]["domains"]["math"]
     assert row["verdict"] == "pass" and row["paired"]["items"] == 200
     assert row["looks"]["look"] == 1 and row["looks"]["looks"] == [200, 500, 800]
     assert row["paired"]["confidence"] == pytest.approx(1 - 2 * stats.look_alphas([200, 500, 800], 0.025, "pocock")[0])
     write_looked(tmp_path, var, order, 500)  # evaluated more than the decision needed: not what evaluate does
-    row = run_compare(tmp_path, ["int8"], domains=("math",), look_items=200)["variants"]["int8"]["domains"]["math"]
+    row = run_compare(tmp_path, ["int8"], domains=("math",), look_items=200,
+                      params=front_loaded)["variants"]["int8"]["domains"]["math"]
     assert row["verdict"] == "fail" and any("needed exactly the pool's first 200" in r for r in row["reasons"])
 
 

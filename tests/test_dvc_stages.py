@@ -63,6 +63,9 @@ def _changed_code(repo: Path) -> dict[str, set[str]]:
 def _lock_this_code(repo: Path) -> None:
     """dvc.lock as `dvc repro` would leave it for the code in `repo`: each stage's pipelines/ deps with their md5."""
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    for name, stage in yaml.safe_load((repo / "dvc.yaml").read_text())["stages"].items():
+        if "foreach" not in stage and name not in lock["stages"]:  # a new stage `dvc repro` has not run yet
+            lock["stages"][name] = {"cmd": stage["cmd"], "deps": []}
     for name, entry in lock["stages"].items():
         code = [d for d in stages()[name.split("@")[0]]["deps"] if d.startswith("pipelines/")]
         data = [d for d in entry["deps"] if not d["path"].startswith("pipelines/")]

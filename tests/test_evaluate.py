@@ -7,6 +7,8 @@ import os
 import pytest
 
 from pipelines.core import sandbox
+from pipelines.core.io import read_jsonl
+from pipelines.core.paths import EVAL_DIR
 from pipelines.core.params_sections import CompareParams, EvaluateParams
 from pipelines.evaluation import harness, plans
 from pipelines.evaluation.plans import by_id, correctness, probe_plans
@@ -46,6 +48,10 @@ def test_the_baseline_answers_every_look(baseline):
         assert {i["item_id"] for i in items if i["domain"] == domain} == set(plans[domain]["order"][:8])
         assert len(result["probes"][domain]["blocks"]) == len(plans[domain]["looks"]) == 3  # one lm-eval call per look
         assert 0.0 <= result["probes"][domain]["score"] <= 1.0
+    # each record's chance level (no signal, no pass): 1/choices of a multiple-choice item, 0 for generation
+    choices = {r["id"]: len(r["choices"]) for r in read_jsonl(EVAL_DIR / "chat" / "items.jsonl")}
+    assert {i["chance"] for i in items if i["domain"] in ("math", "code_comment")} == {0.0}
+    assert all(i["chance"] == 1 / choices[i["item_id"]] for i in items if i["domain"] == "chat")
 
 
 def test_a_variant_stops_where_the_rule_decides(baseline, gptq3):
@@ -56,7 +62,8 @@ def test_a_variant_stops_where_the_rule_decides(baseline, gptq3):
     for domain in ("math", "chat", "code_comment"):
         mine = {i["item_id"]: i["correct"] for i in items if i["domain"] == domain}
         run = sequential.run_looks(correctness(by_id(base_items, domain)), mine, plans[domain]["order"],
-                                   plans[domain]["looks"], plans[domain]["families"], 0.05, 0.025, "pocock")
+                                   plans[domain]["looks"], plans[domain]["families"], 0.05, 0.025,
+                                   CompareParams().spending)
         assert sequential.more_items(run) is None  # decided, or every look used
         assert set(mine) == set(plans[domain]["order"][: sequential.needed_items(run)])
         assert result["probes"][domain]["score"] == pytest.approx(sum(mine.values()) / len(mine))

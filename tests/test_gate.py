@@ -28,7 +28,7 @@ def test_fail_when_any_gated_variant_fails(repo, capsys):
     code, result, report = run_gate()
     assert (code, result["verdict"]) == (1, "fail")
     assert result["variants"]["awq4"] == {"verdict": "fail", "domains": {"math": "fail", "code": "pass"}}
-    assert any(r.startswith("awq4 math: accuracy drops 0.150 > margin 0.050") for r in result["reasons"])
+    assert any(r.startswith("awq4 math: accuracy drops 0.150: interval [") for r in result["reasons"])
     assert "quantgate gate: FAIL (exit 1) for int8, awq4" in capsys.readouterr().out
 
 
@@ -268,7 +268,8 @@ def test_a_changed_policy_without_repro_cannot_pass(repo):
     write_pipeline(repo, answers())
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["compare"]["policy"] = {"default": {"max_accuracy_drop": 0.001, "max_flip_rate": 0.15, "kl_percentile": "p99",
-                                               "max_kl": 1.0, "max_growth_excess_pct": 1.0, "min_memory_saving_pct": 10.0}}
+                                               "max_kl": 1.0, "max_growth_excess_pct": 1.0, "min_memory_saving_pct": 10.0,
+                                               "min_agreement": 0.5}}
     (repo / "params.yaml").write_text(yaml.safe_dump(params))
     code, result, _ = run_gate("--variant", "int8")
     assert code == 2 and "  compare: changed deps: params.yaml compare modified" in result["reasons"]
@@ -284,6 +285,20 @@ def test_a_forged_difference_with_the_old_verdict_cannot_pass(repo):
     assert code == 2
     assert "int8 code: compare.json's difference differ from the per-item records'" in result["reasons"]
     assert any("int8 code: compare.json says 'pass' but its own numbers give 'fail'" in r for r in result["reasons"])
+
+
+def test_a_forged_chance_level_cannot_pass(repo):
+    """A hurried user lowers the chance level (or raises fp16's low end) to make a no-signal row pass: the numbers are
+    recomputed from the per-item records, and the edit is named."""
+    write_pipeline(repo, answers())
+    edit_json(repo / "results/compare.json",
+              lambda d: d["variants"]["int8"]["domains"]["code"]["paired"].update(chance=0.9))
+    dvc_commit_force(repo)
+    code, result, _ = run_gate("--variant", "int8")
+    assert code == 2
+    assert "int8 code: compare.json's chance differ from the per-item records'" in result["reasons"]
+    # 0.9 is above fp16's low end (0.75 of 400 right): the row's own numbers say no signal, not pass
+    assert any("int8 code: compare.json says 'pass' but its own numbers give 'inconclusive'" in r for r in result["reasons"])
 
 
 def test_forged_pass_verdicts_cannot_pass(repo):

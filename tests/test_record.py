@@ -21,7 +21,8 @@ from tests.store_helpers import N, fetch, runs_of, write_recordable
 def test_parent_and_child_runs_with_metrics_params_and_tags(recorded):
     root, built, uri, summary = recorded
     client, exp, runs = runs_of(uri)
-    assert summary["status"] == "recorded" and len(runs) == 4
+    assert summary["status"] == "recorded" and len(runs) == 4  # no results/shadow.json (older results): no shadow child
+    assert summary["shadow_run_id"] is None
     parent = client.get_run(summary["parent_run_id"])
     assert parent.data.tags["quantgate.results_digest"] == built["digest"]
     assert parent.data.tags["git.commit"] == "abc123"
@@ -107,6 +108,50 @@ def test_the_classifiers_accuracy_is_logged_on_the_parent_run(tmp_path):
     assert "plots/classifier_confusion.png" in plots
 
 
+def test_the_shadow_replay_is_a_child_run_with_its_numbers_tables_plots_and_rollout(tmp_path):
+    from tests.handmade import rerun_compare, write_shadow
+    from tests.store_helpers import answers
+
+    built = write_recordable(tmp_path, answers())
+    write_shadow(tmp_path, {"int8": {"math": 0.9, "code": 0.8}, "awq4": {"code": 0.3}})
+    rerun_compare(tmp_path)  # route listens: awq4 is refused for code
+    for name in ("shadow_agreement.png", "shadow_latency.png"):
+        (tmp_path / "results/plots" / name).write_bytes(b"\x89PNG\r\n\x1a\n")
+    (tmp_path / "results/rollout.yaml").write_text("types: {}\n")
+    (tmp_path / "results/kserve").mkdir()
+    (tmp_path / "results/kserve/math.yaml").write_text("kind: InferenceService\n")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    summary = record.record_pipeline(built["params"], uri, lineage.results_digest(tmp_path / "dvc.lock"), {},
+                                     root=tmp_path, artifact_root=tmp_path / "artifacts")
+    client = MlflowClient(uri)
+    shadow = client.get_run(summary["shadow_run_id"])
+    assert shadow.info.run_name == "shadow" and shadow.data.tags["mlflow.parentRunId"] == summary["parent_run_id"]
+    assert shadow.data.tags["quantgate.kind"] == "shadow" and shadow.data.tags["shadow.int8.status"] == "ok"
+    assert "| int8 | math | 40 | 0.900 [0.800, 1.000] |" in shadow.data.tags["mlflow.note.content"]
+    assert shadow.data.params["traffic.sha256"] == "ab" * 32 and shadow.data.params["max_new_tokens"] == "16"
+    assert (shadow.data.params["max_batch"], shadow.data.params["store"]) == ("8", "masked")
+    metrics = shadow.data.metrics
+    assert metrics["agreement/int8/math/exact_share"] == 0.9 and metrics["agreement/awq4/code/exact_low"] == pytest.approx(0.2)
+    assert metrics["agreement/int8/code/similarity_mean"] == 0.9 and "agreement/int8/code/outcome_share" not in metrics
+    assert (metrics["latency/int8/ttft_ms_p99"], metrics["latency/fp16/tpot_ms_p50"], metrics["latency/awq4/tokens_per_s"]) == (40, 2, 1000)
+    assert (metrics["memory/int8/peak_bytes"], metrics["memory/int8/growth_pct"]) == (1000, 900)
+    assert metrics["memory/awq4/replay_saving_pct"] == 40 and "memory/fp16/replay_saving_pct" not in metrics
+    with store_client.using_store(uri) as c:
+        agreement = c.load_table(summary["experiment_id"], "tables/shadow_agreement.json", run_ids=[shadow.info.run_id])
+        latency = c.load_table(summary["experiment_id"], "tables/shadow_latency.json", run_ids=[shadow.info.run_id])
+        routing = c.load_table(summary["experiment_id"], "tables/routing_table.json", run_ids=[summary["parent_run_id"]])
+    assert len(agreement) == 6 and set(agreement.bucket) == {"64", "all"}  # 3 (variant, type) cells x 2 buckets
+    assert list(agreement[agreement.model == "awq4"].exact_share) == pytest.approx([0.3, 0.3])
+    assert sorted(latency.model) == ["awq4", "fp16", "int8"] and set(latency.status) == {"ok"}
+    assert dict(zip(routing.domain, routing.serve)) == {"math": "int8", "code": "int8"}
+    assert sorted(routing.shadow_exact_share) == pytest.approx([0.8, 0.8, 0.9, 0.9])
+    artifacts = {a.path for d in ("plots", "results", "rollout", "rollout/kserve")
+                 for a in client.list_artifacts(shadow.info.run_id, d)}
+    assert {"plots/shadow_agreement.png", "plots/shadow_latency.png", "results/shadow.json", "results/shadow_metrics.json",
+            "rollout/rollout.yaml", "rollout/kserve/math.yaml"} <= artifacts
+    assert set(summary["children"]) == {"fp16", "int8", "awq4"}  # the registry's children: the variants only
+
+
 def test_a_format_2_recording_is_recorded_again_with_the_verdict_names(recorded):
     """Recorded before run names carried verdicts and the parent the per-type numbers: `record` replaces it."""
     root, built, uri, first = recorded
@@ -146,7 +191,8 @@ def test_a_changed_verdict_is_a_new_parent_run_and_moves_the_registry(recorded):
     root, built, uri, first = recorded
     params = yaml.safe_load((root / "params.yaml").read_text())
     params["compare"]["policy"] = {"default": {"max_accuracy_drop": 0.001, "max_flip_rate": 0.15, "kl_percentile": "p99",
-                                               "max_kl": 1.0, "max_growth_excess_pct": 1.0, "min_memory_saving_pct": 10.0}}
+                                               "max_kl": 1.0, "max_growth_excess_pct": 1.0, "min_memory_saving_pct": 10.0,
+                                               "min_agreement": 0.5}}
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     rerun_compare(root)
     digest = lineage.results_digest(root / "dvc.lock")

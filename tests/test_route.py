@@ -75,7 +75,7 @@ def test_fp16_serves_when_nothing_passes(results):
 
 def test_a_saving_below_the_threshold_is_not_worth_routing(results):
     policy = PolicyParams(max_accuracy_drop=0.05, max_flip_rate=0.15, kl_percentile="p99", max_kl=1.0,
-                          max_growth_excess_pct=1.0, min_memory_saving_pct=30.0)
+                          max_growth_excess_pct=1.0, min_memory_saving_pct=30.0, min_agreement=0.5)
     table = build(results, ["int8", "awq4"], CompareParams(policy={"default": policy}))
     r = row(table, "math", 64)  # int8 passes but saves 24.6 % < 30 %: fp16 serves, int8 is the fallback
     assert (r["serve"], r["fallback_under_memory_pressure"]) == ("fp16", "int8")

@@ -128,7 +128,7 @@ def test_compare_judges_the_task_as_its_own_row(tmp_path, runs, fp16):
 def _task_records(name: str, correct: list[bool]) -> list[dict]:
     return [{"domain": "math", "task": "gsm8k", "item_id": f"gsm8k:{i}", "family": None, "doc_id": i,
              "filter": "strict-match", "doc_hash": f"d{i}", "prompt_hash": f"p{i}", "target": "#### 1",
-             "response": f"{name}-{i}", "correct": c} for i, c in enumerate(correct)]
+             "response": f"{name}-{i}", "correct": c, "chance": 0.0} for i, c in enumerate(correct)]
 
 
 def _handmade_report(root, probe_lose: int, task_lose: int, n: int = 400) -> dict:

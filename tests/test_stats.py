@@ -18,13 +18,34 @@ from tests.handmade import correctness
 N = 400
 
 
-def test_alpha_spending_adds_up_and_is_front_loaded_for_pocock():
-    for kind in ("pocock", "obrien_fleming"):
-        alphas = stats.look_alphas([200, 400, 600, 800], 0.025, kind)
-        assert sum(alphas) == pytest.approx(0.025) and all(a > 0 for a in alphas)
-    assert stats.look_alphas([200, 400, 600, 800], 0.025, "pocock")[0] > 0.008
-    assert stats.look_alphas([200, 400, 600, 800], 0.025, "obrien_fleming")[0] < 1e-4
-    assert stats.look_alphas([400], 0.025, "pocock") == [pytest.approx(0.025)]
+def test_boundaries_match_published_values_and_spend_exactly_alpha():
+    """O'Brien-Fleming and Pocock type Lan-DeMets boundaries for three equal looks at one-sided 0.025 (Jennison &
+    Turnbull 2000, table 7.6: 3.710, 2.511, 1.993; Pocock type about 2.28-2.30 at every look), and a simulation of
+    the correlated looks: the chance of crossing at some look is alpha itself, where the old Bonferroni split of the
+    increments spent less (and passed fewer good variants)."""
+    assert stats.group_sequential_bounds([1 / 3, 2 / 3, 1], 0.025, "obrien_fleming") == \
+        pytest.approx([3.7103, 2.5114, 1.9930], abs=2e-4)
+    assert stats.group_sequential_bounds([1 / 3, 2 / 3, 1], 0.025, "pocock") == pytest.approx([2.279, 2.295, 2.296], abs=2e-3)
+    rng = np.random.default_rng(0)
+    steps = rng.standard_normal((200_000, 4)) * np.sqrt([200, 200, 200, 200])  # score increments of 4 looks
+    z = np.cumsum(steps, axis=1) / np.sqrt([200, 400, 600, 800])
+    for kind in ("pocock", "obrien_fleming", "hsd:-2", "hsd:1"):
+        levels = stats.look_alphas([200, 400, 600, 800], 0.025, kind)
+        crossed = (z >= sps.norm.isf(levels)).any(axis=1).mean()
+        assert crossed == pytest.approx(0.025, abs=0.0015), kind  # standard error 0.00035
+        assert sum(levels) > 0.025  # each look tests at more than its Bonferroni share
+    assert stats.look_alphas([400], 0.025, "hsd:-2") == [pytest.approx(0.025)]
+    gammas = [stats.look_alphas([200, 400, 600], 0.025, f"hsd:{g}")[0] for g in (-4, -2, 1)]
+    assert gammas == sorted(gammas)  # larger gamma spends more early
+    with pytest.raises(ValueError, match="unknown spending"):
+        stats.spent_alpha(0.5, 0.025, "hsd:abc")
+
+
+def test_wilson_lower_limit_matches_statsmodels():
+    from statsmodels.stats.proportion import proportion_confint
+
+    for k, n in ((0, 50), (13, 50), (150, 200), (200, 200)):
+        assert stats.lower_limit(k / n, n, 0.95) == pytest.approx(proportion_confint(k, n, 0.05, "wilson")[0], abs=1e-9)
 
 
 # --- the statistics against reference implementations ------------------------------------------------

@@ -18,7 +18,7 @@ import yaml
 
 from pipelines.core.paths import DVC_LOCK
 
-JUDGING_STAGES = ("compare", "route", "record")  # stages that read the pipeline's results, not make them
+JUDGING_STAGES = ("compare", "shadow", "route", "record")  # stages that read the pipeline's results, not make them
 RECORDING_STAGES = ("record",)  # the stage that writes results elsewhere (MLflow)
 
 

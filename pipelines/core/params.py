@@ -50,6 +50,34 @@ class AuditParams(Section):
                              f"audit.items ({self.items}): otherwise the item check can never refuse")
         return self
 
+
+class ShadowParams(Section):
+    """`quantgate shadow`: replay a traffic log through fp16 and every passing variant (docs/params.md, `shadow`).
+    Here rather than in params_sections, which is at the 400-line limit."""
+
+    traffic: str | None = None  # None: coverage.traffic, the production sample the classifier is checked on
+    kind: Literal["auto", "jsonl", "parquet", "csv"] = "auto"  # auto: from the file's suffix
+    text_field: str = "text"
+    id_field: str = "id"  # a row without it is named by its line
+    timestamp_field: str | None = None  # seconds (a number) or ISO 8601; only time_compression reads it
+    label_field: str = "label"
+    reference_field: str | None = None  # a reference answer: outcome = "the answer contains it"
+    max_new_tokens: int = Field(16, ge=1, le=512)
+    max_batch: int = Field(8, ge=1, le=256)
+    time_compression: float | None = Field(None, gt=0)  # None: back to back; F: wait (t_i - t_0) / F between arrivals
+    store: Literal["masked", "hashes"] = "masked"  # answers.jsonl: PII-masked text, or only sha256 and length
+    timeout_s: float = Field(600, gt=0)  # per model's replay process
+    threads: int = Field(1, gt=0)  # torch threads per replay process: 1, see docs/params.md
+    min_requests: int = Field(20, ge=1)  # per type (and bucket) for the routing table to listen to its agreement
+
+    @model_validator(mode="after")
+    def _compression_needs_timestamps(self):
+        if self.time_compression is not None and not self.timestamp_field:
+            raise ValueError("time_compression needs shadow.timestamp_field (the field that holds each request's "
+                             "arrival time); without it the replay would run back to back and ignore time_compression")
+        return self
+
+
 class Params(Section):
     """The whole of params.yaml.
 
@@ -73,6 +101,7 @@ class Params(Section):
     mlflow: MlflowParams = MlflowParams()
     fanout: FanoutParams = FanoutParams()
     audit: AuditParams = AuditParams()
+    shadow: ShadowParams = ShadowParams()
 
     @field_validator("requests")
     @classmethod

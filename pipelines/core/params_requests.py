@@ -215,10 +215,14 @@ class PolicyParams(Section):
     min_memory_saving_pct: Annotated[float | None, bounded(
         0, 100, "a negative saving routes variants that cost more memory than fp16; 100 % is no memory at all",
         high_open=True)] = None
+    # exact-agreement share with fp16 a variant needs on a type's replayed traffic to serve it (stage shadow, route);
+    min_agreement: Annotated[float | None, bounded(
+        0, 1, "a share of replayed requests; 0 lets any replay that ran serve (only its request count counts), 1 "
+              "needs every answer token for token fp16's")] = None
 
 
 DEFAULT_POLICY = PolicyParams(max_accuracy_drop=0.05, max_flip_rate=0.15, kl_percentile="p99", max_kl=1.0,
-                              max_growth_excess_pct=1.0, min_memory_saving_pct=10.0)
+                              max_growth_excess_pct=1.0, min_memory_saving_pct=10.0, min_agreement=0.5)
 
 
 class RequestParams(Section):

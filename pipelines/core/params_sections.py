@@ -316,7 +316,8 @@ class CompareParams(Section):
 
     # two-sided; (1 - confidence) / 2 is the false-pass rate at the margin
     confidence: Annotated[float, bounded(0.8, 1, "below 0.8 the false-pass rate is over 10 %", high_open=True)] = 0.95
-    spending: Literal["pocock", "obrien_fleming"] = "pocock"  # how looks share that rate (Lan-DeMets)
+    # how the looks share that rate: pocock, obrien_fleming (Lan-DeMets) or hsd:<gamma> (Hwang-Shih-DeCani)
+    spending: str = "pocock"
     power: float = Field(0.8, gt=0.5, lt=1)  # planning only: the items that would decide at this power
     policy: dict[str, PolicyParams] = Field(default_factory=lambda: {"default": DEFAULT_POLICY})
 
@@ -325,10 +326,21 @@ class CompareParams(Section):
         """One-sided false-pass rate at the margin, over all looks together."""
         return round((1 - self.confidence) / 2, 12)
 
+    @field_validator("spending")
+    @classmethod
+    def _spending(cls, value: str) -> str:
+        match = re.fullmatch(r"hsd:(-?\d+(?:\.\d+)?)", value)
+        if value not in ("pocock", "obrien_fleming") and not (match and -10 <= float(match.group(1)) <= 10):
+            raise ValueError(f"unknown spending function {value!r}: pocock, obrien_fleming or hsd:<gamma> with "
+                             "-10 <= gamma <= 10 (Hwang-Shih-DeCani; docs/compare.md)")
+        return value
+
     @model_validator(mode="after")
     def _check(self):
         default = self.policy.get("default")
-        missing = [k for k, v in DEFAULT_POLICY.model_dump().items() if default is None or getattr(default, k) is None]
+        later = ("min_agreement",)  # added after teams wrote their policies: the built-in value fills it in
+        missing = [k for k, v in DEFAULT_POLICY.model_dump().items()
+                   if (default is None or getattr(default, k) is None) and k not in later]
         if missing:
             raise ValueError(f"policy.default must set every limit; missing {', '.join(missing)}")
         for name in self.policy:  # each request type's limits as the verdict merges them
@@ -343,7 +355,7 @@ class CompareParams(Section):
     def policy_for(self, domain: str) -> PolicyParams:
         """The default limits overlaid with the domain's own."""
         override = self.policy.get(domain)
-        merged = self.policy["default"].model_dump()
+        merged = DEFAULT_POLICY.model_dump() | {k: v for k, v in self.policy["default"].model_dump().items() if v is not None}
         if override is not None:
             merged.update({k: v for k, v in override.model_dump().items() if v is not None})
         return PolicyParams(**merged)

@@ -94,10 +94,19 @@ def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int
         for s in samples:
             items.append({"domain": domain, "task": task, "item_id": str(s["doc"]["id"]), "family": s["doc"].get("family"),
                           "doc_id": s["doc_id"], "doc_hash": s["doc_hash"], "prompt_hash": s["prompt_hash"],
-                          "target": str(s["target"]), "response": str(s["filtered_resps"][0]), "correct": bool(s[metric])})
+                          "target": str(s["target"]), "response": str(s["filtered_resps"][0]), "correct": bool(s[metric]),
+                          "chance": item_chance(out, task, s)})
         if probes[domain]["runs_code"]:
             summary[domain]["isolation"] = sandbox.isolation_level()[0]
     return summary, items
+
+
+def item_chance(out: dict, task: str, sample: dict) -> float:
+    """The chance that a guess scores this item: 1/choices for a multiple-choice task (lm-eval asks one loglikelihood
+    per choice), 0 for generation; compare holds fp16's accuracy against it (no signal, no pass)."""
+    if (out.get("configs", {}).get(task) or {}).get("output_type") == "multiple_choice" and sample.get("arguments"):
+        return 1 / len(sample["arguments"])
+    return 0.0
 
 
 def _task_rows(key: str, task: str, cfg: dict, out: dict, summary: dict, items: list[dict]) -> None:
@@ -119,7 +128,8 @@ def _task_rows(key: str, task: str, cfg: dict, out: dict, summary: dict, items: 
         items.append({"domain": domain, "task": task, "item_id": standard_tasks.item_id(task, s["doc_id"]),
                       "family": None, "doc_id": s["doc_id"], "filter": filt, "doc_hash": s["doc_hash"],
                       "prompt_hash": s["prompt_hash"], "target": str(s["target"]),
-                      "response": str(s["filtered_resps"][0]), "correct": bool(s[metric])})
+                      "response": str(s["filtered_resps"][0]), "correct": bool(s[metric]),
+                      "chance": item_chance(out, task, s)})
 
 
 def task_configs(plans: dict[str, dict]) -> dict[str, dict]:

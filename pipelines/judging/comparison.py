@@ -114,6 +114,8 @@ def compare_domain(base_rows: dict[str, dict], var_rows: dict[str, dict], probe:
     if sequential.more_items(run) is not None:
         problems.append(f"evaluation stopped at look {run['look']} of {len(looks)} although the interval straddled the margin")
     paired = run["paired"]
+    if paired:
+        paired["chance"] = chance_level([base_rows.get(i) or {} for i in order[: paired["items"]]])
     if paired and usable(probe.get("score")) and abs(probe["score"] - paired["accuracy"]) > 1e-9 and not problems:
         problems.append(f"lm-eval score {probe['score']} disagrees with the per-item accuracy {paired['accuracy']}")
     tasks = {key: {"verdict": row.get("verdict"), "reasons": list(row.get("reasons") or [])}
@@ -132,13 +134,24 @@ def compare_domain(base_rows: dict[str, dict], var_rows: dict[str, dict], probe:
            "task_version": probe.get("task_version"), "metric": probe.get("metric")}
     if tasks:
         row["tasks"] = tasks
-    if verdict == "inconclusive" and paired and checks["accuracy_drop"]["decision"] == sequential.UNDECIDED:
+    if verdict == "inconclusive" and paired and checks["signal"]["decision"] == "no":
+        row["items_to_decide"] = None
+    elif verdict == "inconclusive" and paired and checks["accuracy_drop"]["decision"] == sequential.UNDECIDED:
         need = stats.items_to_decide(paired["difference"], paired["flip_rate"], policy.max_accuracy_drop,
                                      run["alpha"], p.power, paired["design_effect"], paired["degrees_of_freedom"],
                                      paired["items"])
         row["items_to_decide"] = None if need is None else math.ceil(need)
         row["reasons"].append(_more_items_advice(need, paired, p.power, plan["pool"], plan.get("task")))
     return row
+
+
+def chance_level(records: list[dict]) -> float | None:
+    """The mean chance of the items fp16 was judged on, as evaluate recorded it per item (1/choices for multiple
+    choice, 0 for generation); None when a record has none (the records predate it, or were edited)."""
+    chances = [r.get("chance") for r in records]
+    if not chances or not all(usable(c) and 0 <= c <= 1 for c in chances):
+        return None
+    return round(float(np.mean(chances)), 12)
 
 
 def _more_items_advice(need: float | None, paired: dict, power: float, pool: int, task: str | None = None) -> str:

@@ -3,12 +3,15 @@
 A domain's probe pool is taken in a fixed pseudo-random order (sha256 of domain and item id), so every
 look is a random sample of the pool whatever order the items file has. Look k uses the first n_k
 items: `evaluate.look_items` at the first look, the cap (`evaluate.max_items` or the pool) at the last,
-at most `evaluate.max_looks` looks. At each look the accuracy rule
-decides `pass` (interval low end >= -margin), `fail` (point estimate < -margin) or, only when the
-interval straddles -margin, `inconclusive`: then the next look adds items. Each look's interval is
-taken at the false-pass rate its look may spend (stats.look_alphas), so looking again does not raise
-the chance of passing a variant whose true drop is the margin. The first decisive look is the decision;
-the same function decides in `evaluate` (whether to evaluate more), `compare` and `gate`.
+at most `evaluate.max_looks` looks. At each look the accuracy rule decides on evidence only: `pass` when the
+interval's low end is at or above -margin (the drop is smaller than the margin), `fail` when its high end is
+below -margin (the drop is larger), and, while the interval holds -margin, `inconclusive`: then the next look
+adds items, and after the last one the row stays inconclusive with the items that would decide it. Each look's
+interval is taken at its group-sequential level (stats.look_alphas: boundaries computed for looks that share
+items), so looking again neither raises the chance of passing a variant whose true drop is the margin above
+alpha nor wastes any of it; the same levels bound the chance of failing a variant whose drop is the margin.
+The first decisive look is the decision; the same function decides in `evaluate` (whether to evaluate
+more), `compare` and `gate`.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ def accuracy_rule(paired: dict, margin: float) -> tuple[str, str]:
     interval = f"[{low:+.3f}, {high:+.3f}] ({100 * paired['confidence']:.2f} % interval, {paired['items']} items)"
     if low >= -margin:
         return PASS, f"accuracy interval {interval} stays above -{margin:.3f}"
-    if diff < -margin:
-        return FAIL, f"accuracy drops {-diff:.3f} > margin {margin:.3f}, interval {interval}"
+    if high < -margin:
+        return FAIL, f"accuracy drops {-diff:.3f}: interval {interval} lies below -{margin:.3f}"
     if paired.get("degrees_of_freedom") == 0:  # stats.paired_comparison: every item in one family
         return UNDECIDED, (f"one family: all {paired['items']} items share one family, so the accuracy difference "
                            "cannot be judged from within-family variation (the interval is [-1, +1])")

@@ -5,8 +5,8 @@ compare judges every row with `judge`; the gate re-derives each row from compare
 (`inconsistencies`) and turns each row into pass, fail or undecided (`check_row`, `worst`): rules and their
 re-check in one module, so they cannot drift apart. The accuracy rule is
 non-inferiority (judging/sequential.py): `pass` when the interval's low end is at or above -margin,
-`fail` when the point estimate is below -margin, `inconclusive` only when the interval straddles -margin
-after the last look; every other limit is a hard limit.
+`fail` when its high end is below -margin, `inconclusive` when the interval holds -margin after the last look
+or when fp16 itself is not above the probe's chance level (no signal); every other limit is a hard limit.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
     growth = (memory or {}).get("growth_excess_pct")
     required = {"accuracy difference": paired.get("difference"), "interval low end": paired.get("ci_low"),
                 "interval high end": paired.get("ci_high"), "interval confidence": paired.get("confidence"),
+                "fp16 accuracy low end": paired.get("accuracy_fp16_low"), "chance level": paired.get("chance"),
                 "item count": paired.get("items"), "flip rate": paired.get("flip_rate"),
                 f"KL {policy.kl_percentile}": kl, "fidelity tokens": tokens, "memory growth excess": growth}
     memory, out_of_memory = memory or {}, []
@@ -95,6 +96,10 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
         fails.append(f"fp16 and the variant answer none of the {paired['items']} items correctly: the probes measure "
                      "nothing here (check the task's answer extraction, or the model is not up to the domain)")
     accuracy, why = sequential.accuracy_rule(paired, margin)
+    signal = no_signal(paired)
+    checks["signal"] = {"value": paired["accuracy_fp16_low"], "limit": paired["chance"], "decision": "no" if signal else "yes"}
+    if signal and accuracy != sequential.FAIL:  # (a variant far below fp16's chance-level score still fails)
+        accuracy, why = sequential.UNDECIDED, signal
     checks["accuracy_drop"] = {"value": -paired["difference"], "ci_low": paired["ci_low"], "limit": margin,
                                "decision": accuracy}
     if accuracy == sequential.FAIL:
@@ -116,6 +121,19 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
     if accuracy == sequential.UNDECIDED or task_open:
         return "inconclusive", ([why] if accuracy == sequential.UNDECIDED else []) + task_open, checks
     return "pass", [f"{why}; every limit met" + (f"; task rows {', '.join(tasks)} pass" if tasks else "")], checks
+
+
+def no_signal(paired: dict) -> str | None:
+    """Why the row cannot be judged for lack of signal, or None: fp16's own accuracy is not above the probe's chance
+    level (the low end of its score interval, at the look's confidence, is at or below the mean chance of the items:
+    1/choices for multiple choice, 0 for generation). Two models guessing agree that nothing was lost, and
+    non-inferiority between two coin flips says nothing about the variant."""
+    low, chance = paired["accuracy_fp16_low"], paired["chance"]
+    if low > chance:
+        return None
+    return (f"no signal: fp16 answers {paired['accuracy_fp16']:.3f} of {paired['items']} items (low end {low:.3f}), "
+            f"not above the probe's chance level {chance:.3f}; a variant cannot be shown to keep an accuracy fp16 does "
+            "not have (a stronger model, or a probe this model can do)")
 
 
 def task_verdicts(tasks: dict[str, dict] | None) -> tuple[list[str], list[str]]:
@@ -158,7 +176,8 @@ def rederive(paired: dict | None, fidelity: dict | None, memory: dict | None, po
 
 
 # The gate's side: compare.json's rows as found, checked against their own numbers and against the workspace.
-KEY_NUMBERS = ("items", "difference", "ci_low", "ci_high", "correct_to_wrong", "wrong_to_correct", "design_effect")
+KEY_NUMBERS = ("items", "difference", "ci_low", "ci_high", "correct_to_wrong", "wrong_to_correct", "design_effect",
+               "accuracy_fp16_low", "chance")
 
 
 def _required(row: dict, policy: dict) -> dict:
@@ -223,6 +242,24 @@ def check_row(name: str, domain: str, row: dict | None, params: Params) -> tuple
     if row.get("verdict") != "pass":
         return "fail", [f"{name} {domain}: unknown verdict {row.get('verdict')!r}"]
     return "pass", []
+
+
+def shadow_failures(name: str, shadow: dict | None, table: dict | None) -> list[str]:
+    """Why the shadow replay fails a variant compare passed somewhere (empty: it does not). Its replay crashed or hung
+    (that variant's failure, issue: the replay is part of the evidence), or the routing table's replay check refused it
+    for every row compare passed it for: its answers to production traffic differ from fp16's too often to serve any
+    request type, so releasing it would release nothing. Not chosen because another variant is cheaper is no failure."""
+    if shadow is None:  # no shadow stage in this pipeline (a deleted shadow.json is a DVC change: undecided before)
+        return []
+    model = (shadow.get("models") or {}).get(name)
+    if model is not None and model.get("status") != "ok":
+        return [f"{name}: shadow replay failed: {model.get('error') or 'no error recorded'}"]
+    rows = [c for r in (table or {}).get("rows") or [] for c in r.get("considered") or []
+            if c.get("variant") == name and c.get("verdict") == "pass"]
+    if rows and all(c.get("shadow_refused") for c in rows):
+        return [f"{name}: the shadow replay refused it for every request type compare passed it for "
+                f"(e.g. {rows[0]['shadow_refused']})"]
+    return []
 
 
 def worst(verdicts) -> str:

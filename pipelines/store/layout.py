@@ -19,7 +19,8 @@ from pipelines.models.loading import weights_sha256
 
 KIND_TAG = "quantgate.kind"  # pipeline (the parent run), baseline, variant or candidate
 FORMAT_TAG = "quantgate.record_format"  # on the parent run; a finished recording in an older format is recorded again
-RECORD_FORMAT = "3"  # 3: child runs named by their verdicts, per-type numbers on the parent, the saved view;
+RECORD_FORMAT = "4"  # 4: a `shadow` child run (the replay's agreement, latency, rollout plan);
+                    # 3: child runs named by their verdicts, per-type numbers on the parent, the saved view;
                     # 2: passing checkpoints stored as artifacts (1 registered the workspace folder by path)
 # MLflow 3.17's runs table shows a first-time visitor Run Name, Created, Dataset, Duration, Source and Models, never a
 # metric, param or tag column, and reads no column setting from the server (docs/record-gate.md, "What the MLflow UI
@@ -229,7 +230,8 @@ def routing_rows(table: dict) -> list[dict]:
              "serve_cost_bytes": r["cost_bytes"]["serve"], "fp16_cost_bytes": r["cost_bytes"]["fp16"],
              "checkpoint_sha256": json.dumps(r["provenance"]["checkpoint_sha256"]),
              "calibration_sha256": r["provenance"]["calibration_sha256"],
-             "dvc_lock_sha256": r["provenance"]["dvc_lock_sha256"]} for r in table["rows"]]
+             "dvc_lock_sha256": r["provenance"]["dvc_lock_sha256"],
+             "shadow_exact_share": ((r.get("shadow") or {}).get("exact") or {}).get("share")} for r in table["rows"]]
 
 
 def classifier_metrics(measured: dict) -> dict[str, float]:
@@ -241,3 +243,99 @@ def classifier_metrics(measured: dict) -> dict[str, float]:
         metrics["classifier_accuracy"] = measured["accuracy"]
     return metrics
 
+
+
+# The `shadow` child run (stage shadow: results/shadow.json, results/shadow_metrics.json). Agreement numbers are
+# each type's "all" bucket (the per-bucket ones are in the agreement table), named `agreement/<model>/<type>/...`
+# so MLflow's chart of one metric across runs follows one variant on one request type.
+SHADOW_RUN_NAME = "shadow"
+
+
+def shadow_params(shadow: dict) -> dict[str, str]:
+    """What was replayed and how: the traffic log (path, sha256, counts) and the replay's settings."""
+    traffic = shadow.get("traffic") or {}
+    return flatten("", {"traffic": {k: traffic.get(k) for k in ("path", "sha256", "requests", "replayed")},
+                        "skipped_too_long": (traffic.get("skipped") or {}).get("too_long"),
+                        **{k: v for k, v in (shadow.get("settings") or {}).items()}}, {})
+
+
+def _agreement_cells(shadow: dict):
+    """(model, type, bucket key, numbers) for every agreement cell of shadow.json."""
+    for model, entry in (shadow.get("models") or {}).items():
+        for domain, buckets in ((entry or {}).get("agreement") or {}).items():
+            for key, cell in (buckets or {}).items():
+                yield model, domain, str(key), cell or {}
+
+
+def shadow_metrics(shadow: dict, measured: dict | None) -> dict[str, float]:
+    """Per model and type: exact share and its low end, similarity mean, outcome share; per model: latency
+    percentiles, tokens/s, peak bytes, growth, the replay's memory saving against fp16 (and what compare claimed)."""
+    out: dict[str, float] = {}
+    for model, domain, key, cell in _agreement_cells(shadow):
+        if key != "all":
+            continue
+        exact, outcome = cell.get("exact") or {}, cell.get("outcome") or {}
+        numeric_leaves(f"agreement/{model}/{domain}", {
+            "exact_share": exact.get("share"), "exact_low": exact.get("low"), "requests": cell.get("requests"),
+            "similarity_mean": (cell.get("similarity") or {}).get("mean"), "outcome_share": outcome.get("share")}, out)
+    for model, m in ((measured or {}).get("models") or {}).items():
+        latency, memory = (m or {}).get("latency") or {}, (m or {}).get("memory") or {}
+        numeric_leaves(f"latency/{model}", {
+            "ttft_ms_p50": (latency.get("ttft_ms") or {}).get("p50"), "ttft_ms_p99": (latency.get("ttft_ms") or {}).get("p99"),
+            "tpot_ms_p50": (latency.get("tpot_ms") or {}).get("p50"), "tpot_ms_p99": (latency.get("tpot_ms") or {}).get("p99"),
+            "tokens_per_s": latency.get("tokens_per_s")}, out)
+        numeric_leaves(f"memory/{model}", {"peak_bytes": memory.get("peak_bytes"), "growth_pct": memory.get("growth_pct")}, out)
+    for model, s in ((measured or {}).get("memory_saving") or {}).items():
+        numeric_leaves(f"memory/{model}", {"replay_saving_pct": (s or {}).get("replay_pct"),
+                                           "claimed_saving_pct": (s or {}).get("claimed_pct"),
+                                           "saving_agrees": (s or {}).get("agrees")}, out)
+    return out
+
+
+def shadow_agreement_rows(shadow: dict) -> list[dict]:
+    """shadow.json's agreement as flat rows (model, type, bucket): the child run's agreement table."""
+    rows = []
+    for model, domain, key, cell in _agreement_cells(shadow):
+        exact, sim, outcome = cell.get("exact") or {}, cell.get("similarity") or {}, cell.get("outcome") or {}
+        rows.append({"model": model, "type": domain, "bucket": key, "requests": cell.get("requests"),
+                     "exact_share": exact.get("share"), "exact_low": exact.get("low"), "exact_high": exact.get("high"),
+                     "first_difference_median": (cell.get("first_difference") or {}).get("median"),
+                     "similarity_mean": sim.get("mean"), "similarity_low": sim.get("low"), "similarity_high": sim.get("high"),
+                     "outcome_kind": outcome.get("kind"), "outcome_share": outcome.get("share"),
+                     "outcome_low": outcome.get("low"), "outcome_high": outcome.get("high"),
+                     "fp16_correct": outcome.get("fp16_correct"), "variant_correct": outcome.get("variant_correct")})
+    return rows
+
+
+def shadow_latency_rows(shadow: dict, measured: dict | None) -> list[dict]:
+    """One row per replayed model: status, latency percentiles, throughput, memory and the replay's saving."""
+    measured = measured or {}
+    rows = []
+    for model, entry in (shadow.get("models") or {}).items():
+        m = (measured.get("models") or {}).get(model) or {}
+        latency, memory = m.get("latency") or {}, m.get("memory") or {}
+        saving = (measured.get("memory_saving") or {}).get(model) or {}
+        rows.append({"model": model, "status": (entry or {}).get("status"), "error": (entry or {}).get("error"),
+                     "ttft_ms_p50": (latency.get("ttft_ms") or {}).get("p50"), "ttft_ms_p99": (latency.get("ttft_ms") or {}).get("p99"),
+                     "tpot_ms_p50": (latency.get("tpot_ms") or {}).get("p50"), "tpot_ms_p99": (latency.get("tpot_ms") or {}).get("p99"),
+                     "tokens_per_s": latency.get("tokens_per_s"), "memory_measure": memory.get("measure"),
+                     "peak_bytes": memory.get("peak_bytes"), "growth_pct": memory.get("growth_pct"),
+                     "replay_saving_pct": saving.get("replay_pct"), "claimed_saving_pct": saving.get("claimed_pct"),
+                     "saving_agrees": saving.get("agrees"), "seconds": m.get("seconds")})
+    return rows
+
+
+def shadow_description(shadow: dict) -> str:
+    """The shadow child's description: per model and type the exact agreement with fp16 over all replayed requests."""
+    traffic = shadow.get("traffic") or {}
+    lines = [f"**shadow replay** of `{traffic.get('path')}`: {traffic.get('replayed')} of {traffic.get('requests')} "
+             "requests through fp16 and each variant that passed compare; exact agreement with fp16 (Wilson 95 %):", "",
+             "| model | request type | requests | exact agreement [interval] |", "|---|---|---|---|"]
+    for model, domain, key, cell in _agreement_cells(shadow):
+        exact = cell.get("exact") or {}
+        if key == "all" and usable(exact.get("share")):
+            lines.append(f"| {model} | {domain} | {cell.get('requests')} | {exact['share']:.3f} "
+                         f"[{exact.get('low', float('nan')):.3f}, {exact.get('high', float('nan')):.3f}] |")
+    failed = [f"- {m}: replay failed ({(e or {}).get('error')})" for m, e in (shadow.get("models") or {}).items()
+              if (e or {}).get("status") != "ok"]
+    return "\n".join(lines + ([""] + failed if failed else []))[:4000]

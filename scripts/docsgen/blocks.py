@@ -15,7 +15,7 @@ from .measured_blocks import (render_admission_cost, render_evaluate_overhead, r
                               render_measured_rows, render_pipeline_speed, render_quantize_overhead,
                               render_quantizer_settings)
 from .params_blocks import render_params
-from .result_blocks import (render_classifier, render_coverage, render_eval_accuracy, render_eval_fidelity,
+from .result_blocks import (render_classifier, render_shadow_agreement, render_coverage, render_eval_accuracy, render_eval_fidelity,
                             render_memory, render_quantize, render_reference, render_reference_history)
 from .sources import GENERATOR, Context, SourceMissing, provenance, undated
 
@@ -38,6 +38,7 @@ RENDERERS = {
     "quantize": (render_quantize, "results/quantize/<variant>.json, results/memory_summary.json"),
     "coverage": (render_coverage, "results/calibration/coverage.json"),
     "classifier": (render_classifier, "results/calibration/classifier.json"),
+    "shadow-agreement": (render_shadow_agreement, "results/shadow.json: agreement with fp16 per variant and type"),
     "reference": (render_reference, "results/reference.json, reference_model/recipe.json"),
     "reference-history": (render_reference_history, "reference_model/recipe.json at commit ARG"),
     "history-row": (render_history_row, "results/compare.json at commit ARG (COMMIT VARIANT DOMAIN)"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .format import count, pct, small, table, words
+from .format import MINUS, count, pct, signed, small, table, words
 from .sources import Context
 
 
@@ -30,30 +30,31 @@ def render_pipeline_speed(ctx: Context, arg: str, old: list[str]) -> list[str]:
 
 
 def render_gate_operating(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    """benchmarks/gate_operating.py: quantgate's accuracy rule and three peers' rules on the same simulated runs."""
     data = ctx.measured("gate_operating")
     r = data["results"]
-    plan = "/".join(count(n) for n in r["looks_plan"])
-    one = "/".join(count(n) for n in r["one_look_plan"])
     rows = []
-    for row in r["rows"]:
-        a, b = row["one_look"], row["looks"]
-        bold = row["goal"].startswith(("<=", ">="))
-        def cells(x, first):
-            p = f"{x['pass']:.3f}"
-            return (f"**{p}**" if bold and first else p) + f" / {x['inconclusive']:.3f} / {x['fail']:.3f}"
-        goal = row["goal"].replace("<=", "≤").replace(">=", "≥")
-        rows.append([row["scenario"], goal, cells(a, True), cells(b, row["goal"].startswith("<=")),
-                     f"{b['items']:.0f}"])
-    lines = [f"{count(r['runs'])} simulated runs per row (seed {r['seed']}), margin {r['margin']:g}, "
-             f"one-sided α {r['alpha']:g}, {r['spending']} spending; {r.get('seconds', 0):.0f} s.", ""]
-    lines += table(["scenario", "goal", f"one look of {one}: pass / inconclusive / fail",
-                    f"looks {plan}: pass / inconclusive / fail", "mean items"], rows)
-    margin = [row for row in r["rows"] if row["true_difference"] == -r["margin"]]
-    if margin:
-        worst = max(max(row["one_look"]["pass"], row["looks"]["pass"]) for row in margin)
-        se = (worst * (1 - worst) / r["runs"]) ** 0.5
-        lines += ["", f"At the margin the rule passed at most {pct(worst)} of runs (± {pct(se)} Monte-Carlo standard "
-                      f"error; goal ≤ 5 %, the rule's nominal budget {pct(r['alpha'])})."]
+    for c in r["cells"]:
+        q, p = c["quantgate"], c["peers"]
+        families = f"{c['families']} families" if c["families"] else "independent"
+        looks = "/".join(count(n) for n in c["looks"])
+        at_margin = abs(c["true_difference"] + r["margin"]) < 1e-9
+        verdicts = f"{q['pass']:.3f} / {q['inconclusive']:.3f} / {q['fail']:.3f}"
+        rows.append([f"{count(c['pool'])} items, {families} (looks {looks})", signed(c["true_difference"], 2),
+                     pct(c["flip_rate"]), f"**{verdicts}**" if at_margin else verdicts, f"{q['items']:,.0f}",
+                     f"{p['llm-compressor']:.3f}", f"{p['vllm']:.3f}", f"{p['gptqmodel']:.3f}"])
+    lines = [f"{count(r['runs'])} simulated runs per cell (seed {r['seed']}), margin {r['margin']:g}, one-sided "
+             f"α {r['alpha']:g}, {r['spending']} spending; base accuracy {r['base_accuracy']:g}; {r['flip_model']}; "
+             f"{r.get('seconds', 0):.0f} s. Peers take every item of the pool and only pass or fail.", ""]
+    lines += table(["pool", "true difference", "flip rate", "quantgate pass / inconclusive / fail", "mean items",
+                    "llm-compressor recovery ≥ 0.95: pass", "vLLM rtol 0.08: pass", "GPTQModel floor 5 %: pass"], rows)
+    if r.get("goals"):
+        lines += ["", "Goals (600-item pool):", ""]
+        for g in r["goals"]:
+            sign = "≤" if g.get("comparison", "<=") == "<=" else "≥"
+            value = f"{g['value']:.0f}" if g["limit"] >= 1 else f"{g['value']:.3f}"
+            what = g["what"].replace("-0", MINUS + "0")
+            lines.append(f"- {what}: {value} (goal {sign} {g['limit']:g}): {'met' if g['met'] else '**missed**'}")
     return lines
 
 

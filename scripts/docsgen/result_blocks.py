@@ -175,3 +175,33 @@ def render_reference_history(ctx: Context, arg: str, old: list[str]) -> list[str
     report = ctx.at_commit(commit, "reference_model/recipe.json").get("report") or {}
     rows = [[name, pct(report[key]), count(report[n])] for name, key, n in REFERENCE_SKILLS if key in report]
     return table(["skill (model of that commit)", "measured", "items"], rows)
+
+
+# ---------------------------------------------------------------- results: shadow replay
+
+def render_shadow_agreement(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    """Per replayed variant and request type: exact agreement with fp16 [Wilson 95 %] over N, similarity, outcome."""
+    report = ctx.json("results/shadow.json", "stage:shadow")
+    models = {n: m for n, m in report["models"].items() if m.get("agreement")}
+    types = sorted({t for m in models.values() for t in m["agreement"]})
+    rows = []
+    for name, m in models.items():
+        cells = []
+        for t in types:
+            c = (m["agreement"].get(t) or {}).get("all")
+            if not c:
+                cells.append("–")
+                continue
+            e = c["exact"]
+            out = f"; outcome {c['outcome']['share']:.2f}" if c.get("outcome") else ""
+            cells.append(f"{e['share']:.2f} [{e['low']:.2f}, {e['high']:.2f}] of {c['requests']}, "
+                         f"similarity {c['similarity']['mean']:.2f}{out}")
+        rows.append([name, *cells])
+    failed = [f"{n} ({m.get('error')})" for n, m in report["models"].items() if m.get("status") != "ok"]
+    t = report["traffic"]
+    lines = [f"{count(t['replayed'])} of {count(t['requests'])} requests replayed ({t['skipped']['too_long']} too long "
+             f"for the context), {report['settings']['max_new_tokens']} new tokens each, greedy.", ""]
+    lines += table(["variant", *types], rows)
+    if failed:
+        lines += ["", "Replay failed: " + "; ".join(failed)]
+    return lines

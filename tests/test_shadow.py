@@ -1,0 +1,284 @@
+"""Stage `shadow` on the tests' tiny model: agreement with fp16, skipped requests, bad logs, privacy, a failed load."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipelines import shadow
+from pipelines.core.errors import QuantgateError
+from pipelines.core.params import Params
+from pipelines.replay import agreement, traffic
+
+EMAIL = "alice.smith@example.org"
+REQUESTS = [
+    {"id": "m1", "text": "25+60=", "label": "math"},
+    {"id": "m2", "text": "What is 12 * 7? Answer: ", "label": "math"},
+    {"id": "m3", "text": "31+51=", "label": "math"},
+    {"id": "c1", "text": f"How do I reset my password? You can reach me at {EMAIL}.", "label": "chat"},
+    {"id": "c2", "text": "Where is my order 5420? It was due last week.", "label": "chat"},
+    {"id": "k1", "text": "def add(a, b):\n    return a + b\n", "label": "code"},
+    {"id": "long", "text": " ".join(f"word{i}" for i in range(400)), "label": "chat"},  # over the largest bucket
+]
+
+
+def _copy(src, dst, noise: float = 0.0, broken: bool = False, vocab: int | None = None):
+    shutil.copytree(src, dst)
+    if noise:  # a variant that differs: every linear weight moved by `noise` x its own spread
+        gen = torch.Generator().manual_seed(0)
+        weights = load_file(dst / "model.safetensors")
+        weights = {k: (v + noise * v.float().std() * torch.randn(v.shape, generator=gen)).to(v.dtype)
+                   if v.ndim == 2 else v for k, v in weights.items()}
+        save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    if broken:
+        (dst / "config.json").write_text("{not json", encoding="utf-8")
+    if vocab:  # loads, then crashes in the replay: the prompts' token ids are past its embedding (IndexError)
+        config = json.loads((dst / "config.json").read_text("utf-8"))
+        weights = load_file(dst / "model.safetensors")
+        weights = {k: v[:vocab].contiguous() if v.shape[0] == config["vocab_size"] else v for k, v in weights.items()}
+        save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+        config.update(vocab_size=vocab, bos_token_id=0, eos_token_id=1, pad_token_id=None)
+        (dst / "config.json").write_text(json.dumps(config), encoding="utf-8")
+        (dst / "generation_config.json").unlink(missing_ok=True)  # its eos/pad ids would be past the vocabulary
+    return dst
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory, tiny_model):
+    """fp16 of the tiny model, an exact copy, a noisy copy, a copy whose config does not parse and one that loads but
+    crashes in the replay (its vocabulary is cut below the prompts' token ids)."""
+    from pipelines import quantize
+    from pipelines.core.params_sections import DEFAULT_VARIANTS
+    from pipelines.models.loading import ModelSource
+
+    root = tmp_path_factory.mktemp("shadow_variants")
+    manifest, _ = quantize.quantize_variant("fp16", DEFAULT_VARIANTS["fp16"], ModelSource("local", str(tiny_model)),
+                                            tmp_path_factory.mktemp("unused"), "cpu", root)
+    assert manifest["status"] == "ok", manifest.get("error")
+    _copy(root / "fp16", root / "same")
+    _copy(root / "fp16", root / "noisy", noise=0.5)
+    _copy(root / "fp16", root / "broken", broken=True)
+    _copy(root / "fp16", root / "crashes", vocab=4)
+    return root
+
+
+def _params(log, **shadow_settings) -> Params:
+    params = Params()
+    return params.model_copy(update={"shadow": params.shadow.model_copy(update={"traffic": str(log), "max_batch": 4,
+                                                                               "timeout_s": 120,
+                                                                               **shadow_settings})})
+
+
+def _log(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _passed(*names):
+    return {"variants": {n: {"domains": {"math": {"verdict": "pass"}, "chat": {"verdict": "fail"}},
+                             "memory": {"footprint_saving_pct": 0.0}} for n in names}}
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory, variants):
+    out = tmp_path_factory.mktemp("shadow_out")
+    log = _log(out / "traffic.jsonl", REQUESTS)
+    report = shadow.run(_params(log), _passed("same", "noisy", "broken", "crashes"), variants, "cpu", out / "shadow.json",
+                        out / "metrics.json", out / "shadow", out / "plots")
+    return report, out
+
+
+def test_fp16_against_itself_agrees_exactly(replayed):
+    report, _ = replayed
+    assert report["models"]["fp16"]["status"] == "ok" and "agreement" not in report["models"]["fp16"]
+    for cells in report["models"]["same"]["agreement"].values():
+        for cell in cells.values():
+            assert cell["exact"]["share"] == 1.0 and cell["exact"]["high"] == 1.0
+            assert cell["similarity"]["mean"] == 1.0 and cell["first_difference"]["median"] is None
+
+
+def test_a_variant_that_differs_matches_a_hand_computation(replayed):
+    report, out = replayed
+    rows = [json.loads(line) for line in (out / "shadow" / "answers.jsonl").read_text("utf-8").splitlines()]
+    answer = {(r["model"], r["id"]): r["answer"] for r in rows}
+    for type_, cells in report["models"]["noisy"]["agreement"].items():
+        ids = [r["id"] for r in rows if r["model"] == "fp16" and r["type"] == type_]
+        same = sum(answer["fp16", i] == answer["noisy", i] for i in ids)
+        n, p, z = len(ids), same / len(ids), 1.959963984540054
+        centre, spread = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+        exact = cells["all"]["exact"]
+        assert cells["all"]["requests"] == n and exact["share"] == pytest.approx(p)
+        assert exact["low"] == pytest.approx(max(0.0, (centre - spread) / (1 + z * z / n)))
+        assert exact["high"] == pytest.approx(min(1.0, (centre + spread) / (1 + z * z / n)))
+    total = sum(c["all"]["requests"] for c in report["models"]["noisy"]["agreement"].values())
+    shares = [c["all"]["exact"]["share"] for c in report["models"]["noisy"]["agreement"].values()]
+    assert total == 6 and min(shares) < 1
+    math_cell = report["models"]["noisy"]["agreement"]["math"]["all"]
+    assert math_cell["outcome"]["kind"] == "final_number" and math_cell["outcome"]["requests"] == 3
+
+
+def test_a_too_long_request_is_skipped_and_counted(replayed):
+    report, out = replayed
+    assert report["traffic"]["requests"] == 7 and report["traffic"]["replayed"] == 6
+    assert report["traffic"]["skipped"] == {"too_long": 1}
+    rows = [json.loads(line) for line in (out / "shadow" / "answers.jsonl").read_text("utf-8").splitlines()]
+    assert "long" not in {r["id"] for r in rows} and len(rows) == 3 * 6  # fp16, same and noisy
+
+
+def test_a_model_that_fails_to_load_or_crashes_is_recorded_and_the_others_replay(replayed):
+    report, out = replayed
+    assert report["models"]["broken"]["status"] == "failed" and "broken" in report["models"]["broken"]["error"]
+    crashed = report["models"]["crashes"]
+    assert crashed["status"] == "failed" and "index" in crashed["error"].lower() and "agreement" not in crashed
+    assert report["models"]["noisy"]["status"] == "ok" and report["models"]["same"]["status"] == "ok"
+    metrics = json.loads((out / "metrics.json").read_text("utf-8"))
+    assert metrics["models"]["broken"]["status"] == "failed" and metrics["models"]["crashes"]["status"] == "failed"
+    memory = metrics["models"]["noisy"]["memory"]  # growth is across the whole replay, the peak per batch
+    assert memory["peak_bytes"] >= memory["start_bytes"] > 0 and "batch_peak_growth_bytes" in memory
+    if memory["growth_bytes"] is not None:
+        assert memory["growth_pct"] == pytest.approx(100 * memory["growth_bytes"] / memory["start_bytes"])
+    assert metrics["models"]["noisy"]["latency"]["ttft_ms"]["p50"] > 0
+    assert set(metrics["memory_saving"]) == {"same", "noisy"}
+    assert (out / "plots" / "shadow_agreement.png").is_file() and (out / "plots" / "shadow_latency.png").is_file()
+
+
+def test_masked_answers_carry_no_email_from_the_requests(replayed, tmp_path):
+    _, out = replayed
+    assert EMAIL not in (out / "shadow" / "answers.jsonl").read_text("utf-8")
+    request = traffic.Request(id="c1", text="x", where="log:1", type="chat", ids=[1, 2], bucket=64)
+    shadow._answers(tmp_path / "a.jsonl", [request], [0], {"fp16": [f"Sure, I wrote to {EMAIL} again."]}, "masked")
+    written = (tmp_path / "a.jsonl").read_text("utf-8")
+    assert EMAIL not in written and "[EMAIL]" in written
+
+
+def test_store_hashes_writes_no_answer_text_and_no_raw_id(tmp_path, variants):
+    from pipelines.core.io import sha256_text
+
+    ids = ["customer-alice-0042", EMAIL]
+    log = _log(tmp_path / "traffic.jsonl", [{**r, "id": i} for r, i in zip(REQUESTS[:2], ids)])
+    shadow.run(_params(log, store="hashes"), _passed(), variants, "cpu", tmp_path / "s.json", tmp_path / "m.json",
+               tmp_path / "shadow", tmp_path / "plots")
+    written = (tmp_path / "shadow" / "answers.jsonl").read_text("utf-8")
+    rows = [json.loads(line) for line in written.splitlines()]
+    assert len(rows) == 2 and all("answer" not in r and len(r["sha256"]) == 64 and "length" in r for r in rows)
+    assert all(i not in written for i in ids) and [r["id"] for r in rows] == [sha256_text(i) for i in ids]
+
+
+def test_masked_answers_mask_a_personal_id(tmp_path):
+    request = traffic.Request(id=EMAIL, text="x", where="log:1", type="chat", ids=[1, 2], bucket=64)
+    shadow._answers(tmp_path / "a.jsonl", [request], [0], {"fp16": ["fine"]}, "masked")
+    assert json.loads((tmp_path / "a.jsonl").read_text("utf-8"))["id"] == "[EMAIL]"
+
+
+def test_a_log_of_types_no_passing_variant_serves_warns(caplog):
+    with caplog.at_level("WARNING", logger="pipelines.shadow"):
+        shadow._warn_if_too_few(["unknown"] * 30 + ["math"] * 3, _passed("int8"), 20)
+    assert "no request type a passing variant could serve" in caplog.text and "math 3" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pipelines.shadow"):
+        shadow._warn_if_too_few(["math"] * 20, _passed("int8"), 20)
+    assert caplog.text == ""
+
+
+def test_parquet_and_csv_logs_keep_their_strings(tmp_path):
+    import datetime as dt
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    stamps = [dt.datetime(2026, 1, 1, 12, 0, 0), dt.datetime(2026, 1, 1, 12, 0, 30)]
+    pq.write_table(pa.table({"id": ["007", "12"], "text": ["12", "What is 007?"], "label": ["math", "chat"],
+                             "at": pa.array(stamps, pa.timestamp("us"))}), tmp_path / "t.parquet")
+    read = traffic.read_traffic(tmp_path / "t.parquet", "auto", "text", "id", "label", None, "at")
+    assert [(r.id, r.text, r.label) for r in read] == [("007", "12", "math"), ("12", "What is 007?", "chat")]
+    assert read[1].timestamp - read[0].timestamp == 30.0 and read[1].where == f"{tmp_path / 't.parquet'}:row 2"
+    (tmp_path / "t.csv").write_text('id,text,label,at\n007,12,math,100\n12,"What is 007?",chat,130.5\n',
+                                    encoding="utf-8")
+    read = traffic.read_traffic(tmp_path / "t.csv", "auto", "text", "id", "label", None, "at")
+    assert [(r.id, r.text, r.label, r.timestamp) for r in read] == [("007", "12", "math", 100.0),
+                                                                    ("12", "What is 007?", "chat", 130.5)]
+    (tmp_path / "gap.csv").write_text("id,text\n1,hi\n2,\n", encoding="utf-8")
+    with pytest.raises(QuantgateError, match=rf"{tmp_path / 'gap.csv'}:3: no text in field 'text'"):
+        traffic.read_traffic(tmp_path / "gap.csv", "auto", "text", "id", "label", None, None)
+    pq.write_table(pa.table({"id": ["1"], "prompt": ["hi"]}), tmp_path / "gap.parquet")
+    with pytest.raises(QuantgateError, match=rf"{tmp_path / 'gap.parquet'}:row 1: no text in field 'text'"):
+        traffic.read_traffic(tmp_path / "gap.parquet", "auto", "text", "id", "label", None, None)
+
+
+def test_an_empty_parquet_or_header_only_csv_has_no_requests(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": pa.array([], pa.string()), "text": pa.array([], pa.string())}),
+                   tmp_path / "e.parquet")
+    (tmp_path / "e.csv").write_text("id,text,label\n", encoding="utf-8")
+    (tmp_path / "zero.parquet").write_bytes(b"")
+    for name in ("e.parquet", "e.csv", "zero.parquet"):
+        with pytest.raises(QuantgateError, match=rf"{tmp_path / name}: no requests"):
+            traffic.read_traffic(tmp_path / name, "auto", "text", "id", "label", None, None)
+
+
+def test_a_row_without_text_names_its_file_and_line(tmp_path):
+    log = _log(tmp_path / "t.jsonl", [REQUESTS[0], REQUESTS[1], {"id": "x", "prompt": "hi"}])
+    with pytest.raises(QuantgateError, match=rf"{tmp_path / 't.jsonl'}:3: no text in field 'text'"):
+        traffic.read_traffic(log, "auto", "text", "id", "label", None, None)
+
+
+def test_an_empty_or_missing_log_is_a_clear_error(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("\n", encoding="utf-8")
+    with pytest.raises(QuantgateError, match="empty: nothing to replay"):
+        traffic.read_traffic(tmp_path / "empty.jsonl", "auto", "text", "id", "label", None, None)
+    with pytest.raises(QuantgateError, match="traffic log not found"):
+        traffic.read_traffic(tmp_path / "nowhere.jsonl", "auto", "text", "id", "label", None, None)
+    (tmp_path / "bad.jsonl").write_bytes(b'{"text": "\xff\xfe"}\n')
+    with pytest.raises(QuantgateError, match="cannot read the traffic log"):
+        traffic.read_traffic(tmp_path / "bad.jsonl", "auto", "text", "id", "label", None, None)
+
+
+def test_agreement_numbers_by_hand():
+    assert agreement.first_difference([1, 2, 3], [1, 2, 4]) == 2
+    assert agreement.first_difference([1, 2], [1, 2, 3]) == 2
+    assert agreement.first_difference([5], [5]) is None
+    assert agreement.similarity([1, 2, 3, 4], [1, 2, 9, 4]) == pytest.approx(0.75)  # 2 * 3 matches / 8 tokens
+    assert agreement.final_number("so 3 + 4 = 7.50") == "7.5" and agreement.final_number("none") is None
+    cell = agreement.summarise([[1, 2], [3], [4, 5]], [[1, 2], [3, 6], [4, 6]], ["2", "3", "4 5"], ["2", "3 6", "4 6"],
+                               [None] * 3, "final_number")
+    assert cell["exact"]["share"] == pytest.approx(1 / 3)
+    assert cell["first_difference"] == {"median": 1.0, "mean": 1.0}
+    assert cell["similarity"]["mean"] == pytest.approx((1 + 2 / 3 + 0.5) / 3)
+    assert cell["outcome"]["share"] == pytest.approx(1 / 3)  # final numbers 2=2, 3!=6, 5!=6
+    ref = agreement.outcome("reference", ["it is 85", "no idea"], ["85", "it is 85"], ["85", "85"])
+    assert ref["share"] == 0.5 and ref["fp16_correct"] == 0.5 and ref["variant_correct"] == 1.0
+
+
+@pytest.mark.parametrize("key, value", [("max_new_tokens", 0), ("max_new_tokens", 513), ("max_batch", 0),
+                                        ("max_batch", 257), ("time_compression", 0), ("store", "plain"),
+                                        ("kind", "xml"), ("min_requests", 0)])
+def test_shadow_params_out_of_range_are_refused(tmp_path, key, value):
+    from pipelines.core.params import load_params
+
+    (tmp_path / "p.yaml").write_text(f"shadow:\n  {key}: {value}\n", encoding="utf-8")
+    with pytest.raises(QuantgateError, match=rf"p.yaml:2: key 'shadow.{key}'"):
+        load_params(tmp_path / "p.yaml")
+
+
+def test_time_compression_without_timestamp_field_is_refused(tmp_path):
+    from pipelines.core.params import load_params
+
+    (tmp_path / "p.yaml").write_text("shadow:\n  time_compression: 2\n", encoding="utf-8")
+    with pytest.raises(QuantgateError, match=r"p.yaml:1: key 'shadow': .*time_compression needs shadow.timestamp_field"):
+        load_params(tmp_path / "p.yaml")
+
+
+def test_shadow_params_edges_load(tmp_path):
+    from pipelines.core.params import load_params
+
+    (tmp_path / "p.yaml").write_text("shadow:\n  max_new_tokens: 512\n  max_batch: 256\n  time_compression: 0.001\n"
+                                     "  timestamp_field: at\n  store: hashes\n", encoding="utf-8")
+    p = load_params(tmp_path / "p.yaml").shadow
+    assert (p.max_new_tokens, p.max_batch, p.store, p.traffic) == (512, 256, "hashes", None)
