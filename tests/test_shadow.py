@@ -282,3 +282,16 @@ def test_shadow_params_edges_load(tmp_path):
                                      "  timestamp_field: at\n  store: hashes\n", encoding="utf-8")
     p = load_params(tmp_path / "p.yaml").shadow
     assert (p.max_new_tokens, p.max_batch, p.store, p.traffic) == (512, 256, "hashes", None)
+
+
+def test_a_types_outcome_is_its_own_reference_or_else_math_s_final_number():
+    """Reference answers in one type's rows do not take the final-number outcome from math's."""
+    from pipelines.replay.agreement import agreement
+
+    types, buckets = ["math", "math", "chat"], [64, 64, 64]
+    ids = [[1, 2], [3, 4], [5, 6]]
+    cells = agreement(types, buckets, ids, ids, ["x = 4", "y = 7", "Paris"], ["4", "8", "Lyon"], [None, None, "Paris"])
+    assert cells["math"]["all"]["outcome"]["kind"] == "final_number"
+    assert cells["math"]["all"]["outcome"]["share"] == 0.5  # 4 = 4, 7 != 8
+    assert cells["chat"]["all"]["outcome"]["kind"] == "reference"
+    assert (cells["chat"]["all"]["outcome"]["fp16_correct"], cells["chat"]["all"]["outcome"]["variant_correct"]) == (1.0, 0.0)

@@ -98,9 +98,9 @@ def summarise(base_ids: list[list[int]], variant_ids: list[list[int]], base_text
 def agreement(types: list[str], buckets: list[int], base_ids: list[list[int]], variant_ids: list[list[int]],
               base_text: list[str], variant_text: list[str], references: list[str | None]) -> dict:
     """{type: {str(bucket) | "all": cell}} over the replayed requests (all lists in the same request order)."""
-    has_reference = any(r is not None for r in references)
     out: dict = {}
-    for kind_of_type in sorted(set(types)):
+    for kind_of_type in sorted(set(types)):  # a type's outcome: its log's reference answers where it has any
+        has_reference = any(r is not None for t, r in zip(types, references) if t == kind_of_type)
         kind = "reference" if has_reference else ("final_number" if kind_of_type == MATH else None)
         cells = {}
         for key in [*(str(b) for b in sorted(set(buckets))), "all"]:
