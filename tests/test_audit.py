@@ -123,8 +123,11 @@ def test_consistently_edited_evidence_passes_the_gate_but_not_the_audit(pipeline
     Everything downstream re-derives from the edit (plain gate: exit 0); the audit re-measures and refuses, naming
     edited items. (int8's per-token KLs may all sit below audit.kl_tolerance, so halving them is not asserted found.)"""
     repo = _copy(pipeline_run, tmp_path)
-    assert _run(repo, "gate", "--variant", "int8").returncode == 0  # int8 passes on the fixture's policy
-    records = repo / "results/eval/int8/items.jsonl"
+    # a variant the gate passes on the fixture's policy: int8 (nearly lossless), unless its memory grows on this CPU
+    # (docs/memory.md), then the next
+    name = next((n for n in ("int8", "awq4", "gptq3") if _run(repo, "gate", "--variant", n).returncode == 0), None)
+    assert name, "no variant passes the fixture's gate"
+    records = repo / f"results/eval/{name}/items.jsonl"
     edited = []
     rows = read_jsonl(records)
     for row in rows:
@@ -138,25 +141,25 @@ def test_consistently_edited_evidence_passes_the_gate_but_not_the_audit(pipeline
         edited.append(row["item_id"])
     assert edited
     write_jsonl(records, rows)
-    texts = read_jsonl(repo / "results/eval/int8/fidelity.jsonl")
+    texts = read_jsonl(repo / f"results/eval/{name}/fidelity.jsonl")
     for t in texts:
         t["kl"] = [v / 2 for v in t["kl"]]
-    write_jsonl(repo / "results/eval/int8/fidelity.jsonl", texts)
-    result = json.loads((repo / "results/eval/int8.json").read_text())
+    write_jsonl(repo / f"results/eval/{name}/fidelity.jsonl", texts)
+    result = json.loads((repo / f"results/eval/{name}.json").read_text())
     base = fidelity.load_base(repo / "results/baseline/fidelity.safetensors")
     for domain in result["fidelity"]:
         result["fidelity"][domain] = fidelity.summary([t for t in texts if t["domain"] == domain], base, domain)
-    write_json(repo / "results/eval/int8.json", result)
-    _commit(repo, "int8")
+    write_json(repo / f"results/eval/{name}.json", result)
+    _commit(repo, name)
 
-    plain = _run(repo, "gate", "--variant", "int8")
+    plain = _run(repo, "gate", "--variant", name)
     assert plain.returncode == 0, plain.stdout + plain.stderr  # the gate alone trusts the edited evidence
-    audited = _run(repo, "gate", "--variant", "int8", "--audit")
+    audited = _run(repo, "gate", "--variant", name, "--audit")
     assert audited.returncode == 2, audited.stdout + audited.stderr
     gate = json.loads((repo / "results/gate.json").read_text())
     audit = json.loads((repo / "results/audit.json").read_text())
-    named = [p for p in audit["problems"] if p["variant"] == "int8"]
-    assert named and all(p["variant"] == "int8" for p in audit["problems"])  # fp16's records were not touched
+    named = [p for p in audit["problems"] if p["variant"] == name]
+    assert named and all(p["variant"] == name for p in audit["problems"])  # fp16's records were not touched
     flagged = {i for p in named for i in p["items"] if not str(i).startswith("text ")}
     assert flagged & set(edited)  # edited items are named
     # beside them, at most the one natural mismatch per row the tolerance allows (a near tie decoded otherwise)

@@ -264,7 +264,7 @@ def test_fanout_spreads_the_chains_over_both_nodes_and_dvc_records_them(sequenti
     assert set(report["committed"]) == set(report["ran"])
     assert len({row["node"] for row in report["ran"].values()}) == 2  # both nodes took tasks
     ran_after = {line.split("'")[1] for line in rest.stdout.splitlines() if line.startswith("Running stage")}
-    assert ran_after == {"memory-report", "compare", "route", "record"}, rest.stdout
+    assert ran_after == {"memory-report", "compare", "shadow", "route", "record"}, rest.stdout
     status = run([tool("dvc"), "status"], fan)
     assert "up to date" in status.stdout, status.stdout
     gated = run([tool("quantgate"), "gate", "--variant", "int8"], fan)

@@ -66,7 +66,11 @@ def test_memory_stage_per_variant_and_summary(pipeline_run):
     assert summary["baseline_ok"] and rows["fp16"]["growth_excess_pct"] == 0
     for variant in ("int8", "awq4", "gptq3"):
         assert rows[variant]["status"] == "ok" and rows[variant]["footprint_bytes"] < rows["fp16"]["footprint_bytes"]
-        assert rows[variant]["leak"] is False and rows[variant]["oom"] is None
+        assert rows[variant]["oom"] is None
+        assert rows[variant]["leak"] is False or variant == "int8", (variant, rows[variant])
+    if rows["int8"]["leak"]:  # bitsandbytes int8 grows on some CPUs (docs/memory.md): that is int8's failure, named
+        compare = json.loads((repo / "results" / "compare.json").read_text())["variants"]["int8"]["domains"]
+        assert all(d["verdict"] == "fail" and any("leak" in r for r in d["reasons"]) for d in compare.values())
     assert rows["vendor-gptq"]["status"] == "failed" and "not usable" in rows["vendor-gptq"]["error"]
     assert (repo / "results" / "plots" / "memory_over_rounds.png").is_file()
 
@@ -151,10 +155,12 @@ def test_compare_and_route_stages(pipeline_run):
             continue
         passing = [n for n, v in report["variants"].items() if v["domains"][row["domain"]]["verdict"] == "pass"]
         assert row["serve"] in passing + ["fp16"]
+        # the shadow replay may refuse a passing variant (docs/shadow.md): the cheapest of those it let through serves
+        listened = [c["variant"] for c in row["considered"] if c["verdict"] == "pass" and not c.get("shadow_refused")]
         if row["serve"] == "fp16":
-            assert not passing or row["reason"].startswith("passing variants save less than")
+            assert not listened or row["reason"].startswith("passing variants save less than")
         else:
-            assert footprint[row["serve"]] == min(footprint[n] for n in passing)
+            assert footprint[row["serve"]] == min(footprint[n] for n in listened)
 
 
 def test_record_stage_and_gate(pipeline_run):
@@ -168,9 +174,10 @@ def test_record_stage_and_gate(pipeline_run):
     client = MlflowClient(run["tracking_uri"])
     runs = client.search_runs([run["experiment_id"]])
     kids = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == run["parent_run_id"]]
-    children = {r.data.tags["quantgate.variant"] for r in kids}
-    assert children == {"fp16", "int8", "awq4", "gptq3", "vendor-gptq"} and len(runs) == 6
-    assert next(r for r in kids if r.data.tags["quantgate.variant"] == "vendor-gptq").info.run_name.startswith(
+    children = {r.data.tags["quantgate.variant"] for r in kids if r.data.tags.get("quantgate.kind") != "shadow"}
+    assert children == {"fp16", "int8", "awq4", "gptq3", "vendor-gptq"} and len(runs) == 7  # + the shadow replay's run
+    assert run["shadow_run_id"] in {r.info.run_id for r in kids}
+    assert next(r for r in kids if r.data.tags.get("quantgate.variant") == "vendor-gptq").info.run_name.startswith(
         "vendor-gptq · fail: ")  # the runs table shows each child's verdicts in its name
     int8 = next(r for r in runs if r.data.tags.get("quantgate.variant") == "int8")
     assert "sql/accuracy" in int8.data.metrics, sorted(int8.data.metrics)  # the fifth request type too
@@ -186,10 +193,16 @@ def test_record_stage_and_gate(pipeline_run):
     assert any(r.startswith("vendor-gptq math: quantize/admit failed") for r in result["reasons"])
     assert (repo / "results" / "report.md").read_text().startswith("## quantgate release gate: FAIL")
     assert run["results_digest"] == lineage.results_digest(repo / "dvc.lock")
-    # the whole loop: int8 (nearly lossless) passed every domain and was registered; the candidate, the
-    # cheapest variant that passed, is gated and promoted to production
+    # the whole loop: what passed every domain and the shadow replay is registered (int8, nearly lossless, unless its
+    # memory grows on this CPU: docs/memory.md); the candidate, the cheapest of them, is gated and promoted
+    from pipelines.judging.verdict import shadow_failures
+
+    report = json.loads((repo / "results" / "compare.json").read_text())
+    shadow = json.loads((repo / "results" / "shadow.json").read_text())
+    table = json.loads((repo / "results" / "routing_table.json").read_text())
+    releasable = {n for n, v in report["variants"].items() if v["verdict"] == "pass" and not shadow_failures(n, shadow, table)}
     registered = [r["variant"] for r in run["registered"]]
-    assert "int8" in registered
+    assert set(registered) == releasable and registered, (registered, releasable)
     candidate = registered[-1]
     promoted = subprocess.run(["quantgate", "gate", "--variant", candidate, "--promote"], cwd=repo, env=env,
                               capture_output=True, text=True)
