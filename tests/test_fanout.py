@@ -319,7 +319,10 @@ def test_a_worker_killed_mid_task_is_retried_or_recorded_as_the_variants_failure
     rest = run([tool("dvc"), "repro"], repo)
     assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
     verdict = json.loads((repo / "results/compare.json").read_text())["variants"]["int8"]
-    assert (verdict["verdict"] == "fail") is (not retries)
+    killed = [r for d in verdict["domains"].values() for r in d["reasons"] if "Ray task failed" in r]
+    # retried: the kill left no trace (int8 may still fail on its own evidence: its memory grows on some CPUs,
+    # docs/memory.md); not retried: the rows name the task that died, and int8 fails
+    assert bool(killed) is (not retries) and (retries or verdict["verdict"] == "fail"), verdict
     assert "up to date" in run([tool("dvc"), "status"], repo).stdout
 
 
