@@ -47,15 +47,15 @@ def overhead(address: str) -> tuple[float, float]:
     os.environ.update({k: v for k, v in env().items() if k.startswith("RAY_AUTH")})  # the cluster's token auth
     import ray
 
-    from pipelines import fanout
+    from pipelines.chains import tasks
 
     ray.init(address=address, log_to_driver=False)
     try:
         noop = ray.remote(lambda: None)
-        stage = ray.remote(fanout.run_stage)
+        stage = ray.remote(tasks.run_stage)
         ray.get(noop.remote())  # a worker started
         empty, command = [], []
-        true = fanout.Stage("bench", ["true"], "fp16", "memory", 60)
+        true = tasks.Stage("bench", ["true"], "fp16", "memory", 60)
         for _ in range(50):
             t = time.perf_counter()
             ray.get(noop.remote())

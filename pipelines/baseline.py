@@ -16,9 +16,7 @@ from pipelines.core.io import write_json, write_jsonl
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params import load_params
 from pipelines.core.paths import BASELINE, BASELINE_RESULTS, FIDELITY_BASE, FIDELITY_TEXTS, VARIANTS_DIR
-from pipelines.evaluation import fidelity
-from pipelines.evaluation.console import log_probes
-from pipelines.evaluation.harness import evaluate_variant
+from pipelines.evaluation.console import EVALUATE_VARIANT, log_probes, pop_texts
 from pipelines.evaluation.plans import probe_plans
 from pipelines.models.loading import resolve_device
 
@@ -31,7 +29,7 @@ def main() -> int:
     plans = probe_plans(p.domains, p)
     staged = FIDELITY_BASE.with_name(f".{FIDELITY_BASE.name}.new")  # in place only together with the records
     with logs.progress(total=1, desc="baseline fp16 (every look)", bar_format="{desc}: {elapsed}") as bar:
-        done, error = run_isolated(evaluate_variant,
+        done, error = run_isolated(EVALUATE_VARIANT,
                                    (str(VARIANTS_DIR / BASELINE), plans, p, resolve_device(params.device), staged, None,
                                     None, params.gpus.shares()),
                                    p.timeout_seconds, f"evaluate {BASELINE}", logs.current_log_file)
@@ -43,7 +41,7 @@ def main() -> int:
         raise QuantgateError(f"the fp16 baseline could not be evaluated: {result['error']}")
     os.replace(staged, FIDELITY_BASE)
     write_jsonl(BASELINE_RESULTS / "items.jsonl", items)
-    write_jsonl(BASELINE_RESULTS / FIDELITY_TEXTS, fidelity.pop_texts(result))  # what `quantgate audit` re-measures
+    write_jsonl(BASELINE_RESULTS / FIDELITY_TEXTS, pop_texts(result))  # what `quantgate audit` re-measures
     write_json(BASELINE_RESULTS / "eval.json", result)
     log_probes(BASELINE, result)
     log.info("baseline: %s -> %s", ", ".join(f"{d} {r['items']}" for d, r in result["probes"].items()), BASELINE_RESULTS)

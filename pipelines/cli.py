@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 
-from pipelines.core import logs
+from pipelines.core import logs, timing
 from pipelines.core.errors import QuantgateError
 
 VERBS = {  # verb -> entry function; the stages are also dvc.yaml stages of the same name
@@ -31,6 +31,7 @@ VERBS = {  # verb -> entry function; the stages are also dvc.yaml stages of the 
     "route lookup": "pipelines.routing.router:print_route",
     "record": "pipelines.record:main",
     "fanout": "pipelines.fanout:main",
+    "repro": "pipelines.repro:main",
     "gate": "pipelines.gate:main",
     "audit": "pipelines.audit:main",
     "fetch": "pipelines.fetch:main",
@@ -68,14 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inject-leak-rounds", type=int, default=None, metavar="K",
                    help="... for the first K rounds only: a warm-up that plateaus, which must not count as a leak")
     verb("memory-report", "stage 4b: all variants' memory on one chart, growth vs fp16")
-    verb("baseline", "stage 5a: fp16 answers every look of every probe pool; its next-token distributions are "
-                     "stored once -> results/baseline/")
+    verb("baseline", "stage 5a: fp16 answers every look of every probe pool -> results/baseline/")
     verb("evaluate", "stage 5: lm-eval probes per item + fidelity vs fp16 -> results/eval/<variant>.json", "variant",
          failed_because=True)
     verb("compare", "stage 6: paired A/B of every variant vs fp16 per domain -> results/compare.json")
     verb("shadow", "stage 6b: replay a traffic log through fp16 and the passing variants -> results/shadow.json")
-    p = verb("route", "stage 7: routing table -> results/routing_table.{json,yaml}; "
-                      "`route lookup TEXT --context-tokens N` prints the variant serving a request")
+    p = verb("route", "stage 7: routing table -> results/routing_table.{json,yaml}; `route lookup TEXT` serves one")
     lookup = p.add_subparsers(dest="action", metavar="[lookup]").add_parser(
         "lookup", help="classify TEXT and print the variant that serves it")
     lookup.add_argument("text")
@@ -84,15 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     verb("record", "stage 8: parent + child runs in MLflow, passing variants into the registry")
     p = verb("fanout", "run the per-variant chains (quantize/admit, memory, baseline, evaluate) as Ray tasks on a "
                        "cluster and record them in dvc.lock; then dvc repro does the rest")
-    p.add_argument("--address", default=None, metavar="ADDR",
-                   help="the Ray cluster (`auto`: the one `ray start` runs here; default: RAY_ADDRESS, else a "
-                        "local Ray started for this run)")
-    p.add_argument("--report", metavar="FILE", help="also write what ran where, what failed and what was committed "
-                                                    "as JSON")
-    p.add_argument("--insecure", action="store_true", help="use a Ray cluster without token authentication "
-                   "(refused by default: an open Ray port runs anyone's code; docs/fanout.md)")
-    p = verb("gate", "release verdict: exit 0 pass, 1 fail, 2 could not decide; writes results/gate.json and "
-                     "results/report.md")
+    p.add_argument("--address", default=None, metavar="ADDR", help="the Ray cluster (`auto`: the one `ray start` "
+                   "runs here; default: RAY_ADDRESS, else a local Ray started for this run)")
+    p.add_argument("--report", metavar="FILE", help="also write what ran where, failed and was committed, as JSON")
+    p.add_argument("--insecure", action="store_true", help="use a Ray cluster without token auth (docs/fanout.md)")
+    verb("repro", "the whole pipeline (scripts/run.sh runs it): the per-variant chains side by side on a local Ray "
+                  "cluster (2+ cores), then dvc repro").add_argument("--sequential", action="store_true",
+                                                                     help="plain dvc repro")
+    p = verb("gate", "release verdict: exit 0 pass, 1 fail, 2 could not decide -> results/gate.json, report.md")
     p.add_argument("--variant", action="append", metavar="NAME",
                    help="gate only this variant or candidate (repeatable); default: all of them")
     p.add_argument("--promote", action="store_true", help="when the gate passes, move the registry alias "
@@ -103,8 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "checkpoint; exit 2 naming the records that disagree (results/audit.json)")
     p.add_argument("--variant", action="append", metavar="NAME", help="only this variant (repeatable), and fp16")
     p.add_argument("--seed", type=int, default=None, metavar="N", help="repeat seed N's sample (default: os.urandom)")
-    p = verb("fetch", "download the checkpoint behind a registry alias or version and verify its sha256 per file "
-                      "(exit 2 naming the file that differs or is missing)")
+    p = verb("fetch", "download the checkpoint behind a registry alias or version, each file's sha256 checked")
     p.add_argument("ref", metavar="ALIAS_OR_VERSION", help="production, candidate, or a version number (3 or v3)")
     p.add_argument("--model", metavar="NAME", help="registered model (default: quantgate-<model> from params.yaml)")
     p.add_argument("--dest", metavar="DIR", help="where to put it (default: models/fetched/<NAME>-v<version>); "
@@ -129,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # route lookup answers in front of every request: it must not pay for importing torch
     logs.setup(verbose=args.verbose, libraries=getattr(args, "action", None) != "lookup")
+    timing.start(timing.stage_of(vars(args)))  # benchmarks/pipeline_speed.py reads where its time went
     try:
         function, kwargs = entry(args)
         return function(**kwargs)
@@ -144,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"quantgate {args.command}: failed: {type(err).__name__}: {err} (traceback in {logs.LOG_FILE})",
               file=sys.stderr)
         return 1
+    finally:
+        timing.flush()
 
 
 if __name__ == "__main__":

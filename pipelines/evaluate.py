@@ -15,9 +15,7 @@ from pipelines.core.io import atomic_write_text, read_json, read_jsonl, write_js
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params import load_params
 from pipelines.core.paths import BASELINE, BASELINE_RESULTS, EVAL_RESULTS, FIDELITY_BASE, FIDELITY_TEXTS, VARIANTS_DIR
-from pipelines.evaluation import fidelity
-from pipelines.evaluation.console import log_probes
-from pipelines.evaluation.harness import evaluate_variant
+from pipelines.evaluation.console import EVALUATE_VARIANT, log_probes, pop_texts
 from pipelines.evaluation.plans import by_id, correctness, probe_plans
 from pipelines.models.loading import resolve_device
 
@@ -47,7 +45,7 @@ def main(variant: str, failed_because: str | None = None) -> int:
     baseline = {d: correctness(by_id(base_rows, d)) for d in plans}
     with logs.progress(total=1, desc=f"evaluate {variant}", bar_format="{desc}: {elapsed}") as bar:
         device = resolve_device(params.device)
-        done, error = run_isolated(evaluate_variant,
+        done, error = run_isolated(EVALUATE_VARIANT,
                                    (str(VARIANTS_DIR / variant), plans, p, device, FIDELITY_BASE, baseline,
                                     params.compare, params.gpus.shares()),
                                    p.timeout_seconds, f"evaluate {variant}", logs.current_log_file)
@@ -55,7 +53,7 @@ def main(variant: str, failed_because: str | None = None) -> int:
     result, items = ({"variant": variant, "device": device, "batch_size": p.batch_size, "status": "failed",
                       "error": error}, []) if error else done
     write_jsonl(EVAL_RESULTS / variant / "items.jsonl", items)
-    write_jsonl(EVAL_RESULTS / variant / FIDELITY_TEXTS, fidelity.pop_texts(result))  # what `quantgate audit` re-measures
+    write_jsonl(EVAL_RESULTS / variant / FIDELITY_TEXTS, pop_texts(result))  # what `quantgate audit` re-measures
     write_json(EVAL_RESULTS / f"{variant}.json", result)
     log_probes(variant, result)
     return 0

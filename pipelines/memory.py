@@ -22,15 +22,10 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
 from pipelines.core import logs
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params_sections import MemoryParams
-from pipelines.measure.phases import kv_bytes_per_token, soak, sweep, tensor_bytes
-from pipelines.measure.probes import describe_devices, device_breakdown, make_probe, peak_of
-from pipelines.measure.verdict import leak_verdict
-from pipelines.models.loading import load_variant, model_devices, variant_manifest
+from pipelines.core.timing import library_call
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +36,13 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
 
     `max_memory`: `gpus.max_memory` parsed (GpusParams.shares()), for variants that load across GPUs. On CUDA the
     probe reads every GPU the model occupies, the totals are sums over them, and `devices` holds each one's."""
+    import torch  # here, in the isolated child: the stage's parent never loads a model
+
+    from pipelines.measure.phases import kv_bytes_per_token, soak, sweep, tensor_bytes
+    from pipelines.measure.probes import describe_devices, device_breakdown, make_probe, peak_of
+    from pipelines.measure.verdict import leak_verdict
+    from pipelines.models.loading import load_variant, model_devices, variant_manifest
+
     torch.set_num_threads(p.threads)
     result: dict = {"variant": Path(variant_dir).name, "device": device, "status": "ok"}
     probe = make_probe(device)
@@ -80,9 +82,11 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
             "after": after,
         }
         lengths = sorted({max(2, int(max_len * f)) for f in p.seq_fractions})
-        result["sweep"] = sweep(model, probe, lengths, p.decode_tokens, config.vocab_size, device, p.sweep_batch)
+        with library_call("forward (sweep)"):
+            result["sweep"] = sweep(model, probe, lengths, p.decode_tokens, config.vocab_size, device, p.sweep_batch)
         result["sweep"]["theoretical_kv_bytes_per_token"] = kv_bytes_per_token(config, element)
-        result["soak"] = soak(model, probe, p, max_len, config.vocab_size, device, leak_bytes_per_round, leak_rounds)
+        with library_call("forward (soak rounds)"):
+            result["soak"] = soak(model, probe, p, max_len, config.vocab_size, device, leak_bytes_per_round, leak_rounds)
         result["leak"] = leak_verdict(result["soak"], footprint, p)
         end = probe.snapshot()  # CUDA: OOMs the allocator hit and recovered from (a library caught and retried)
         result["allocator"] = {"ooms": end["ooms"], "alloc_retries": end["alloc_retries"]}

@@ -20,14 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from pipelines.checkpoints.manifest import disk_bytes, library_versions
 from pipelines.core.errors import QuantgateError, environment_cause
 from pipelines.core.io import atomic_dir, sha256_file, write_json
 from pipelines.core.logs import library_output
 from pipelines.core.params_sections import CALIBRATED_METHODS, VariantParams
 from pipelines.core.paths import BUILT_DIR, MANIFEST, METHOD_DIR, QUANTIZE_RESULTS, VARIANTS_DIR
+from pipelines.core.timing import library_call
 from pipelines.models.loading import ModelSource, device_map_for, dtype_of, gpu_budget
 
 log = logging.getLogger(__name__)
@@ -53,6 +52,7 @@ def _fp16_baseline(job: Job, out: Path) -> None:
 
 
 def _bnb_int8(job: Job, out: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from pipelines.models.loading import gpu_totals
@@ -121,6 +121,7 @@ def theoretical_weight_bytes(base_config_dir: str, settings: VariantParams) -> d
     in x out x bits / 8, plus per-group fp16 scales and packed zeros (GPTQ also stores g_idx); int8
     stores one fp32 scale per output row. Everything else stays in `settings.dtype`.
     """
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(base_config_dir)
@@ -155,7 +156,11 @@ def file_hashes(folder: Path) -> dict[str, str]:
 def peak_memory_bytes(device: str) -> dict[str, int | None]:
     """Peak RSS of this process (the stage runs in its own process) and, on CUDA, peak allocated."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    cuda = torch.cuda.max_memory_allocated() if device == "cuda" else None
+    if device != "cuda":
+        return {"peak_rss": rss, "peak_cuda_allocated": None}
+    import torch
+
+    cuda = torch.cuda.max_memory_allocated()
     return {"peak_rss": rss, "peak_cuda_allocated": cuda}
 
 
@@ -199,7 +204,7 @@ def quantize_variant(name: str, settings: VariantParams, source: ModelSource, bu
             manifest["calibration"] = {"sha256": calibration[1], "samples": len(calibration[0])}
         with atomic_dir(out_dir) as tmp:
             started = time.perf_counter()
-            with library_output(settings.method):
+            with library_output(settings.method), library_call(f"quantize ({settings.method})"):
                 QUANTIZERS[settings.method](job, tmp)
             timing["quantize_seconds"] = round(time.perf_counter() - started, 2)
             if not (tmp / "tokenizer_config.json").exists():  # autoawq saves no tokenizer

@@ -230,6 +230,7 @@ def main() -> int:
     from pipelines.core.lineage import git_commit, results_digest
     from pipelines.core.params import load_params
     from pipelines.core.paths import MLFLOW_RUN
+    from pipelines.core.timing import library_call
     from pipelines.store.tracking import artifact_root, tracking_uri
 
     log = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ def main() -> int:
     if digest is None:
         raise QuantgateError("dvc.lock not found: record runs inside `dvc repro`, after the stages it records")
     uri = tracking_uri()
-    with logs.library_output("mlflow"):
+    with logs.library_output("mlflow"), library_call("mlflow"):
         summary = record_pipeline(params, uri, digest, git_commit(), artifact_root=artifact_root())
     write_json(MLFLOW_RUN, {**summary, "tracking_uri": uri, "results_digest": digest,
                             "registered_model": params.registered_model_name()})

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job: install, check, then run the whole pipeline (`dvc repro`) on the model params.yaml names.
+# The main job: install, check, then run the whole pipeline (`quantgate repro`: `dvc repro` with the per-variant
+# chains in parallel) on the model params.yaml names. Arguments: stage names for a plain `dvc repro` of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # bubblewrap first, in seconds: where it cannot be installed and params.yaml runs code probes, stop now, not after
@@ -13,7 +14,13 @@ if ! quantgate doctor; then
   exit 1
 fi
 echo
-dvc repro "$@"
+if [ "$#" -eq 0 ]; then
+  # The per-variant chains side by side on a local Ray cluster (127.0.0.1, token auth) when this machine has 2+
+  # cores, then `dvc repro` for the rest; one core or no Ray: plain `dvc repro` (it says which).
+  quantgate repro
+else
+  dvc repro "$@"   # stages named: DVC runs them (and what they need), one after another
+fi
 echo
 # The release verdict (exit 0 pass, 1 fail, 2 undecided); CI gates on it, this script only shows it.
 quantgate gate || echo "(gate exit code $?: see results/report.md; gate one variant with: quantgate gate --variant gptq3)"

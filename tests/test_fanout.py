@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines import fanout
+from pipelines.chains import tasks
 from pipelines.core import ray_auth
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params import Params
@@ -26,7 +26,7 @@ from tests.conftest import ROOT
 
 def test_the_chain_stages_are_dvc_yamls_with_their_commands_and_order():
     params = Params(candidates={"vendor": {"path": "/nowhere"}})
-    stages = fanout.chain_stages(params)
+    stages = tasks.chain_stages(params)
     dvc = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     assert set(stages) == {f"{kind}@{item}" for kind in ("quantize", "memory", "evaluate") for item in params.variants} | {
         "admit@vendor", "memory-candidate@vendor", "evaluate-candidate@vendor", "baseline"}
@@ -45,28 +45,28 @@ def test_the_chain_stages_are_dvc_yamls_with_their_commands_and_order():
 
 
 def test_a_changed_stage_reruns_everything_after_it():
-    stages = fanout.chain_stages(Params())
-    assert fanout.stale(stages, {"quantize@int8"}) == ["quantize@int8", "memory@int8", "evaluate@int8"]
-    everything_evaluated = fanout.stale(stages, {"quantize@fp16"})
+    stages = tasks.chain_stages(Params())
+    assert tasks.stale(stages, {"quantize@int8"}) == ["quantize@int8", "memory@int8", "evaluate@int8"]
+    everything_evaluated = tasks.stale(stages, {"quantize@fp16"})
     assert "baseline" in everything_evaluated and all(f"evaluate@{v}" in everything_evaluated
                                                       for v in ("fp16", "int8", "awq4", "gptq3"))
-    assert fanout.stale(stages, set()) == []
+    assert tasks.stale(stages, set()) == []
 
 
 def test_resources_come_from_params():
     params = Params(fanout={"cpus": 2, "per_variant": {"fp16": {"cpus": 4, "gpus": 2}}})
-    assert fanout.resources(params, "fp16") == {"num_cpus": 4, "num_gpus": 2}
-    assert fanout.resources(params, "int8") == {"num_cpus": 2, "num_gpus": 0}
+    assert tasks.resources(params, "fp16") == {"num_cpus": 4, "num_gpus": 2}
+    assert tasks.resources(params, "int8") == {"num_cpus": 2, "num_gpus": 0}
     with pytest.raises(ValueError, match="fanout.per_variant: 'nope' is no variant or candidate"):
         Params(fanout={"per_variant": {"nope": {"cpus": 1}}})
 
 
 def test_a_stage_past_its_timeout_is_killed_with_its_children(tmp_path):
     marker = tmp_path / "child.pid"
-    stage = fanout.Stage("memory@int8", [sys.executable, "-c", f"import os, subprocess, time; "
+    stage = tasks.Stage("memory@int8", [sys.executable, "-c", f"import os, subprocess, time; "
                                          f"p = subprocess.Popen(['sleep', '60']); open({str(marker)!r}, 'w').write(str(p.pid)); "
                                          f"time.sleep(60)"], "int8", "memory", timeout=2)
-    result = fanout.run_stage(str(tmp_path), stage, {})
+    result = tasks.run_stage(str(tmp_path), stage, {})
     assert not result["ok"] and result["error"] == "ran past its 2 s timeout (fanout) and was killed"
     assert result["seconds"] < 10
     child = int(marker.read_text())
@@ -77,40 +77,40 @@ def test_a_stage_past_its_timeout_is_killed_with_its_children(tmp_path):
 def test_a_stage_gets_the_thread_count_dvc_repro_would_give_it(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as Ray sets it in a 1-CPU task's worker
     monkeypatch.setenv("MKL_NUM_THREADS", "1")  # as a node's own environment may
-    staged = fanout.stage_env({"PATH": "/bin"})
+    staged = tasks.stage_env({"PATH": "/bin"})
     assert "OMP_NUM_THREADS" not in staged and "MKL_NUM_THREADS" not in staged
-    assert fanout.stage_env({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"  # the driver's own setting wins
+    assert tasks.stage_env({"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"  # the driver's own setting wins
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert fanout.thread_settings() == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    assert tasks.thread_settings() == {"OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.delenv("MKL_NUM_THREADS")
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert fanout.thread_settings() == {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert tasks.thread_settings() == {"OMP_WAIT_POLICY": "ACTIVE"}
 
 
 def test_a_task_without_gpus_sees_none_and_a_gpu_cluster_needs_them_declared(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")  # Ray 2.60 leaves a node's GPUs visible to a 0-GPU task
-    assert fanout.stage_env({}, gpu_ids=[])["CUDA_VISIBLE_DEVICES"] == ""
-    assert fanout.stage_env({}, gpu_ids=["1"])["CUDA_VISIBLE_DEVICES"] == "0,1"  # Ray set it for the task's GPU
-    assert fanout.stage_env({}, gpu_ids=None)["CUDA_VISIBLE_DEVICES"] == "0,1"  # outside Ray: untouched
+    assert tasks.stage_env({}, gpu_ids=[])["CUDA_VISIBLE_DEVICES"] == ""
+    assert tasks.stage_env({}, gpu_ids=["1"])["CUDA_VISIBLE_DEVICES"] == "0,1"  # Ray set it for the task's GPU
+    assert tasks.stage_env({}, gpu_ids=None)["CUDA_VISIBLE_DEVICES"] == "0,1"  # outside Ray: untouched
     params = Params(fanout={"per_variant": {"fp16": {"cpus": 1, "gpus": 2}}})
     with pytest.raises(QuantgateError, match=r"2 GPU\(s\), but fanout gives int8, awq4 none"):
-        fanout.check_gpus(params, ["fp16", "int8", "awq4", "int8"], cluster_gpus=2)
-    fanout.check_gpus(params, ["fp16"], cluster_gpus=2)  # every variant that runs has GPUs
-    fanout.check_gpus(params, ["int8"], cluster_gpus=0)  # a CPU cluster
-    fanout.check_gpus(Params(device="cpu"), ["int8"], cluster_gpus=2)  # CPU asked for, as under dvc repro
+        tasks.check_gpus(params, ["fp16", "int8", "awq4", "int8"], cluster_gpus=2)
+    tasks.check_gpus(params, ["fp16"], cluster_gpus=2)  # every variant that runs has GPUs
+    tasks.check_gpus(params, ["int8"], cluster_gpus=0)  # a CPU cluster
+    tasks.check_gpus(Params(device="cpu"), ["int8"], cluster_gpus=2)  # CPU asked for, as under dvc repro
 
 
 def test_a_stage_that_cannot_start_on_its_node_is_a_failure_with_the_cause(tmp_path):
-    stage = fanout.Stage("memory@int8", ["no-such-quantgate"], "int8", "memory", 10)
-    result = fanout.run_stage(str(tmp_path), stage, {})
+    stage = tasks.Stage("memory@int8", ["no-such-quantgate"], "int8", "memory", 10)
+    result = tasks.run_stage(str(tmp_path), stage, {})
     assert not result["ok"] and result["error"].startswith("could not start no-such-quantgate in ")
     assert "same path on every node" in result["error"]
 
 
 def test_a_stage_waits_for_nothing_that_failed():
-    stage = fanout.Stage("memory@int8", ["true"], "int8", "memory", 10, ["quantize@int8"])
-    result = fanout.run_stage(".", stage, {}, {"stage": "quantize@int8", "ok": False, "error": "boom"})
+    stage = tasks.Stage("memory@int8", ["true"], "int8", "memory", 10, ["quantize@int8"])
+    result = tasks.run_stage(".", stage, {}, {"stage": "quantize@int8", "ok": False, "error": "boom"})
     assert result == {"stage": "memory@int8", "ok": False, "upstream_failed": True,
                       "error": "quantize@int8 failed first"}
 
@@ -332,11 +332,11 @@ def test_inputs_edited_while_the_chains_run_are_noticed(tmp_path):
     (tmp_path / "eval" / "math").mkdir(parents=True)
     (tmp_path / "eval" / "math" / "items.jsonl").write_text("{}\n")
     params = Params()
-    before = fanout.inputs_fingerprint(tmp_path, params)
+    before = tasks.inputs_fingerprint(tmp_path, params)
     assert set(before) == {str(tmp_path / "params.yaml"), str(tmp_path / "eval/math/items.jsonl")}
-    assert fanout.inputs_fingerprint(tmp_path, params) == before
+    assert tasks.inputs_fingerprint(tmp_path, params) == before
     (tmp_path / "eval" / "math" / "items.jsonl").write_text('{"id": 1}\n')
-    assert fanout.inputs_fingerprint(tmp_path, params) != before
+    assert tasks.inputs_fingerprint(tmp_path, params) != before
 
 
 def stop_cluster_in(temp: Path) -> None:

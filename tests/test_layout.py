@@ -101,7 +101,7 @@ VERB_LINES = [
     ["reference"], ["calibrate"], ["quantize", "int8"], ["quantize", "int8", "--failed-because", "x"],
     ["admit", "awq4"], ["memory", "int8", "--inject-leak-bytes", "8", "--inject-leak-rounds", "2"], ["memory-report"],
     ["baseline"], ["evaluate", "int8"], ["compare"], ["shadow"], ["route"], ["route", "lookup", "hi", "--context-tokens", "5"],
-    ["record"], ["fanout", "--address", "auto", "--report", "r.json"], ["gate", "--variant", "int8", "--promote", "--audit", "--audit-seed", "5"],
+    ["record"], ["fanout", "--address", "auto", "--report", "r.json"], ["repro", "--sequential"], ["gate", "--variant", "int8", "--promote", "--audit", "--audit-seed", "5"],
     ["audit", "--variant", "int8", "--seed", "3"],
     ["fetch", "production", "--model", "m", "--dest", "d"], ["ui", "--port", "5001"], ["doctor", "--params", "p.yaml"],
 ]

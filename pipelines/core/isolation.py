@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import json
 import logging
 import multiprocessing
@@ -30,12 +31,13 @@ POLL_S = 0.2  # how often the parent looks for the child's result
 EXIT_GRACE_S = 30.0  # after the result is written: time for the child to exit (CUDA teardown) before it is killed
 
 
-def run_isolated(target: Callable[..., Any], args: tuple, timeout: float, what: str,
+def run_isolated(target: Callable[..., Any] | str, args: tuple, timeout: float, what: str,
                  log_file: str | Path | None = None) -> tuple[Any, str | None]:
     """(target(*args), None) from a spawned process, or (None, why it gave no result).
 
     target and args must pickle (module-level function, plain data); target's result must be JSON (a tuple
-    comes back as a list). `what` starts the reason: "evaluate awq4 died (killed by SIGSEGV)". With
+    comes back as a list). A target named "module:function" is imported in the child only, so the caller does not
+    pay for the libraries it imports (torch: 2 s). `what` starts the reason: "evaluate awq4 died (killed by SIGSEGV)". With
     `log_file`, the child logs there as the stage does (logs.setup).
     """
     ctx = multiprocessing.get_context("spawn")
@@ -111,6 +113,7 @@ def _die_with_parent(parent: int) -> None:
 def _child(target: Callable[..., Any], args: tuple, out: str, raised: str, parent: int, log_file: str | None) -> None:
     os.setpgrp()  # a group of its own: the parent kills the group, grandchildren included
     _die_with_parent(parent)
+    from pipelines.core import timing
     from pipelines.core.io import atomic_write_text, write_json
 
     if log_file:
@@ -118,7 +121,12 @@ def _child(target: Callable[..., Any], args: tuple, out: str, raised: str, paren
 
         logs.setup(log_file=Path(log_file))
     try:
-        write_json(out, target(*args))
+        if isinstance(target, str):
+            module, name = target.split(":")
+            target = getattr(importlib.import_module(module), name)
+        result = target(*args)
+        timing.flush()  # before the result: the parent kills this process soon after it appears
+        write_json(out, result)
     except BaseException as err:
         logging.getLogger().error("isolated %s failed", getattr(target, "__qualname__", target), exc_info=True)
         atomic_write_text(raised, f"{type(err).__name__}: {err}"[:2000])

@@ -10,6 +10,7 @@ import ast
 import hashlib
 import json
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -176,11 +177,17 @@ def _module_file(name: str, root: Path) -> Path | None:
     return None
 
 
+TARGET_RE = re.compile(r"pipelines(\.\w+)+:\w+")
+
+
 def _imported(nodes: list[ast.stmt], root: Path) -> set[str]:
-    """Modules of the `pipelines` package imported anywhere in `nodes`, module level or inside functions."""
+    """Modules of the `pipelines` package imported anywhere in `nodes`, module level or inside functions, or named
+    as an isolated child's target (`"pipelines.evaluation.harness:evaluate_variant"`: isolation.run_isolated)."""
     found = set()
     for node in (n for top in nodes for n in ast.walk(top)):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "pipelines" and not node.level:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and TARGET_RE.fullmatch(node.value):
+            found.add(node.value.split(":")[0])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "pipelines" and not node.level:
             found.add(node.module)
             # `from pipelines.core import io`: io is a module of its own
             found |= {f"{node.module}.{a.name}" for a in node.names if _module_file(f"{node.module}.{a.name}", root)}

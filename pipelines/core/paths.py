@@ -15,6 +15,7 @@ PARAMS_FILE = Path("params.yaml")
 DVC_YAML = Path("dvc.yaml")
 DVC_LOCK = Path("dvc.lock")
 LOG_FILE = Path("logs/quantgate.log")
+TIMINGS_DIR = Path("logs/timings")  # each stage process's wall time and library seconds (core/timing.py)
 
 # inputs the project ships
 SHIPPED_REFERENCE_DIR = Path("reference_model")  # the trained weights, shipped with the recipe that made them

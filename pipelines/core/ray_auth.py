@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import sys
 from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
@@ -18,6 +19,10 @@ from pipelines.core.paths import RAY_DEFAULT_TOKEN
 log = logging.getLogger("pipelines.fanout")
 
 RAY_TOKEN_PLACES = f"RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or {RAY_DEFAULT_TOKEN}"
+
+
+class RayUnavailable(QuantgateError):
+    """Ray is installed but no cluster could be started or reached (`quantgate repro` then runs plain `dvc repro`)."""
 
 
 def token_source() -> str | None:
@@ -72,6 +77,20 @@ def refuse_open_cluster(gcs_address: str) -> None:
                          "RAY_AUTH_MODE=token (docs/fanout.md), or pass --insecure")
 
 
+def private_local_cluster() -> None:
+    """Make the next local Ray start (`connect(None)`) private to this machine and this run, before `import ray`:
+    Ray's single-machine mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: the node's address is 127.0.0.1, and every Ray
+    server listens there only; on Linux Ray 2.60 otherwise listens on all interfaces whatever address it is given),
+    token authentication with a new token held in this process's environment (Ray's processes inherit it; no file
+    is written), and no RAY_ADDRESS pointing elsewhere."""
+    if "ray" in sys.modules:
+        raise QuantgateError("internal: Ray was imported before the local cluster's settings were made")
+    if os.environ.pop("RAY_ADDRESS", None):
+        log.info("repro: RAY_ADDRESS ignored: the chains run on a local Ray cluster (for a cluster: quantgate fanout)")
+    os.environ.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+
+
 def connect(address: str | None, insecure: bool = False) -> None:
     """ray.init on the cluster (None: RAY_ADDRESS, else a new local one), refused unless it requires Ray's token
     (`insecure`: not checked, said in the log)."""
@@ -82,7 +101,13 @@ def connect(address: str | None, insecure: bool = False) -> None:
             refuse_open_cluster(address)  # a named GCS is asked before ray.init sends it the token
     import ray
 
-    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    local = {"include_dashboard": False} if address is None else {}  # a cluster started here: no dashboard to guard
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, **local)
+    except Exception as err:  # noqa: BLE001 - Ray raises RuntimeError, ConnectionError, ... for a cluster it cannot reach
+        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+        raise RayUnavailable(f"could not start or reach {where}: {type(err).__name__}: "
+                             f"{str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}") from err
     if insecure:
         log.warning("fanout: --insecure: the Ray cluster's token authentication is not checked")
         return

@@ -1,10 +1,12 @@
-"""One log line per probe row of an evaluation: what baseline and evaluate print as they finish."""
+"""What baseline and evaluate do with an evaluation's result once its process has ended: one log line per probe
+row, and the per-text fidelity rows taken out for their own file. No torch here: those stages' parents import this."""
 
 from __future__ import annotations
 
 import logging
 
 log = logging.getLogger("pipelines.evaluate")
+EVALUATE_VARIANT = "pipelines.evaluation.harness:evaluate_variant"  # run_isolated imports it in the child only
 
 
 def log_probes(name: str, result: dict) -> None:
@@ -18,3 +20,8 @@ def log_probes(name: str, result: dict) -> None:
         fid = result["fidelity"][domain.split(":")[0]]  # a standard task row `<domain>:<task>` has its domain's
         log.info("evaluate %s %-12s %s %.3f (%d items)  KL mean %.5f  same top-1 %.1f%%", name, domain,
                  row["metric"], row["score"], row["items"], fid["kl"]["mean"], 100 * fid["same_top1"])
+
+
+def pop_texts(result: dict) -> list[dict]:
+    """Take the per-text rows out of an evaluation result (they go to their own file): every domain's, in order."""
+    return [row for fid in (result.get("fidelity") or {}).values() for row in fid.pop("per_text", [])]

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipelines.core.timing import library_call
+
 PERCENTILES = {"max": 100, "p99_9": 99.9, "p99": 99, "p95": 95, "p90": 90, "median": 50, "p10": 10, "p5": 5,
                "p1": 1, "p0_1": 0.1, "min": 0}
 
@@ -148,11 +150,8 @@ def compare(model, base: dict, domains: list[str], device: str = "cpu") -> dict:
     under `per_text`, the per-text rows it was computed from (evaluate writes those beside the per-item records)."""
     report = {}
     for domain in domains:
-        rows = text_values(model, base, domain, None, device)
+        with library_call("forward (fidelity)"):
+            rows = text_values(model, base, domain, None, device)
         report[domain] = {**summary(rows, base, domain), "per_text": rows}
     return report
 
-
-def pop_texts(result: dict) -> list[dict]:
-    """Take the per-text rows out of an evaluation result (they go to their own file): every domain's, in order."""
-    return [row for fid in (result.get("fidelity") or {}).values() for row in fid.pop("per_text", [])]

@@ -16,6 +16,7 @@ from pathlib import Path
 from pipelines.core.errors import ENVIRONMENT, environment_cause
 from pipelines.core.logs import library_output
 from pipelines.core.paths import EVAL_DIR
+from pipelines.core.timing import library_call
 from pipelines.evaluation import fidelity, standard_tasks
 from pipelines.evaluation.plans import PLACEHOLDERS, check_items, probe_items, row_of
 from pipelines.models.loading import load_variant
@@ -70,7 +71,7 @@ def run_probes(model, tokenizer, requests: dict[str, list[int]], batch_size: int
     tasks = {configs[d]["task"] if d in configs else probes[d]["task"]: d for d in requests}
     if not tasks:
         return summary, []
-    with library_output("lm_eval"):
+    with library_output("lm_eval"), library_call("lm-eval"):
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
         out = simple_evaluate(model=lm, tasks=[configs.get(d, t) for t, d in tasks.items()],
                               task_manager=TaskManager(include_path=str(EVAL_DIR),

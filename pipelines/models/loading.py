@@ -65,8 +65,16 @@ def dtype_of(name: str):
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")  # NVIDIA's driver, ROCm's, WSL's
+
+
 def resolve_device(setting: str) -> str:
-    """`auto` picks CUDA when a GPU is visible, else the CPU; `cuda` without a GPU is an error."""
+    """`auto` picks CUDA when a GPU is visible, else the CPU; `cuda` without a GPU is an error.
+
+    `auto` on a machine without a GPU driver's device node is the CPU without importing torch (2 s here): the
+    stages' parent processes, which only hand the work to an isolated child, then never load it."""
+    if setting == "cpu" or (setting == "auto" and not any(Path(node).exists() for node in GPU_DEVICE_NODES)):
+        return "cpu"
     import torch
 
     if setting == "cuda" and not torch.cuda.is_available():
@@ -202,6 +210,7 @@ def load_variant(variant_dir: str | Path, device: str = "cpu", max_memory: dict 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipelines.core.logs import library_output
+    from pipelines.core.timing import library_call
 
     manifest = variant_manifest(variant_dir)
     if manifest.get("status") != "ok":
@@ -217,7 +226,7 @@ def load_variant(variant_dir: str | Path, device: str = "cpu", max_memory: dict 
         device_map, budget = device_map_for(method, device, torch.cuda.device_count(), gpu_budget(max_memory, totals))
         if device_map != device and budget is not None:
             check_budget(weights_on_disk(location), budget, f"variant {manifest.get('variant', Path(location).name)}")
-    with library_output(method):
+    with library_output(method), library_call("load checkpoint"):
         if method == "gptq":  # transformers needs optimum for GPTQ; GPTQModel loads its own format
             from gptqmodel import GPTQModel
 

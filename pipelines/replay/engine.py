@@ -106,6 +106,7 @@ def replay(variant_dir: str, batches: list[list[list[int]]], max_new_tokens: int
     A model that fails to load or to run raises: the isolated process reports it as this model's failure."""
     import torch
 
+    from pipelines.core.timing import library_call
     from pipelines.measure.phases import tensor_bytes
     from pipelines.measure.probes import make_probe
     from pipelines.models.loading import load_variant
@@ -131,7 +132,7 @@ def replay(variant_dir: str, batches: list[list[list[int]]], max_new_tokens: int
                 held.append(probe.snapshot()["allocated"] - before[0])
 
         clock = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), library_call("forward (replay decode)"):
             for k, rows in enumerate(batches):
                 if waits is not None:
                     time.sleep(max(0.0, waits[k] - (time.perf_counter() - clock)))

@@ -1,0 +1,1 @@
+"""The per-variant chains as Ray tasks (`quantgate fanout`, `quantgate repro`)."""

@@ -1,0 +1,85 @@
+"""`quantgate repro`: the whole pipeline, as `dvc repro` runs it, with the per-variant chains side by side.
+
+    quantgate repro               # what scripts/run.sh runs
+    quantgate repro --sequential  # plain `dvc repro`
+
+On a machine with at least 2 cores where Ray imports, the chains (quantize/admit -> memory, baseline ->
+evaluate) run as tasks on a local Ray cluster that this command starts and stops (`quantgate fanout`'s
+machinery): private to the machine and the run (`ray_auth.private_local_cluster`: every Ray server on
+127.0.0.1, token authentication with a token of its own). Then `dvc repro` runs what is left (memory-report,
+compare, shadow, route, record), so `dvc status` is clean after it, and dvc.lock holds what a sequential run
+would: the same verdicts, routing table and MLflow layout (tests/test_fanout.py compares them). One core,
+no Ray, or --sequential: plain `dvc repro`, and the log says why. Nothing to do: said in milliseconds when no file
+dvc.lock vouches for moved since DVC last found the pipeline clean (core/lock_stamp.py), else after `dvc status`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import subprocess
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+UP_TO_DATE = "Data and pipelines are up to date."  # what `dvc repro` says; the README quotes it
+
+
+def cores() -> int:
+    """The cores this process may run on (a container's or taskset's limit, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def why_sequential(sequential: bool) -> str | None:
+    """Why the chains run one after the other here, or None: they fan out."""
+    if sequential:
+        return "--sequential"
+    if cores() < 2:
+        return f"this machine gives the run {cores()} core"
+    if importlib.util.find_spec("ray") is None:
+        return "Ray is not installed here (pip install 'ray[default]')"
+    return None
+
+
+def main(sequential: bool = False) -> int:
+    """`quantgate repro`: fan the chains out locally when it helps, then `dvc repro` for the rest; its exit code."""
+    from pipelines.chains import tasks
+    from pipelines.core import lock_stamp
+    from pipelines.core.params import load_params
+
+    root = Path(os.environ.get("DVC_ROOT", ".")).resolve()
+    if lock_stamp.is_clean(root):  # no file DVC looks at moved since it last found the pipeline clean
+        print(UP_TO_DATE)
+        return 0
+    before = lock_stamp.snapshot(root)
+    changed = tasks.dvc_changed(root)
+    if not changed:
+        lock_stamp.save(root, before)
+        print(UP_TO_DATE)
+        return 0
+    lock_stamp.forget(root)
+    chains = tasks.chain_stages(load_params())
+    reason = why_sequential(sequential)
+    if reason is None and not tasks.stale(chains, changed) and not changed & {"reference", "calibrate"}:
+        reason = "no per-variant chain needs running"
+    if reason is None:
+        from pipelines.core.ray_auth import RayUnavailable, private_local_cluster
+
+        private_local_cluster()
+        log.info("repro: the per-variant chains on a local Ray cluster (%d cores, 127.0.0.1, token auth)", cores())
+        try:
+            done = tasks.run_chains(root, load_params(), None)
+            log.info("repro: %d chain stages ran, %d failed (recorded as their variants' failures)%s; now dvc repro",
+                     len(done["ran"]), len(done["failed"]),
+                     f" in {done['wall_seconds']} s" if "wall_seconds" in done else "")
+        except RayUnavailable as err:
+            log.warning("repro: %s; plain dvc repro instead", err)
+    else:
+        log.info("repro: plain dvc repro (%s)", reason)
+    code = subprocess.run([tasks.dvc_bin(), "repro"], cwd=root).returncode
+    if code == 0:
+        before = lock_stamp.snapshot(root)
+        if not tasks.dvc_changed(root):
+            lock_stamp.save(root, before)
+    return code

@@ -1,0 +1,191 @@
+"""`quantgate repro` (what scripts/run.sh runs): the chains side by side on a private local Ray cluster, then
+`dvc repro`; the same verdicts, routing table and MLflow layout as a sequential `dvc repro`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pipelines import repro
+from tests.conftest import ROOT
+from tests.test_fanout import raylets, records, run, small_repo, tool, verdicts
+
+VARIANTS = ["fp16", "int8", "awq4"]
+
+
+def test_one_core_or_no_ray_or_the_flag_means_plain_dvc_repro_and_the_reason_is_given(monkeypatch):
+    assert repro.why_sequential(False) is None  # this machine: 2 cores, Ray installed
+    assert repro.why_sequential(True) == "--sequential"
+    monkeypatch.setattr(repro, "cores", lambda: 1)
+    assert repro.why_sequential(False) == "this machine gives the run 1 core"
+    monkeypatch.setattr(repro, "cores", lambda: 2)
+    monkeypatch.setattr(repro.importlib.util, "find_spec", lambda name: None if name == "ray" else object())
+    assert repro.why_sequential(False).startswith("Ray is not installed here")
+
+
+LOCAL_CLUSTER = textwrap.dedent("""
+    import json, os, psutil
+    from pipelines.core import ray_auth
+    os.environ["RAY_ADDRESS"] = "10.0.0.9:6379"  # a cluster elsewhere: not this command's
+    ray_auth.private_local_cluster()
+    ray_auth.connect(None)  # refuses a cluster that answers without the token
+    import ray
+    assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42
+    mine = [p for p in psutil.Process().children(recursive=True)]
+    listening = sorted({c.laddr.ip for p in mine for c in p.net_connections("inet") if c.status == "LISTEN"})
+    pids = [p.pid for p in mine]
+    ray.shutdown()
+    print(json.dumps({"listening": listening, "pids": pids, "gcs": ray_auth.os.environ.get("RAY_ADDRESS")}))
+""")
+
+
+def test_the_local_cluster_listens_on_loopback_only_requires_its_token_and_stops_with_the_run():
+    done = subprocess.run([sys.executable, "-c", LOCAL_CLUSTER], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(ROOT / ".pytest_cache"), "RAY_USAGE_STATS_ENABLED": "0"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["listening"] and set(out["listening"]) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, out["listening"]
+    assert out["gcs"] is None  # the RAY_ADDRESS given was dropped, not used
+    import psutil
+
+    assert not [p for p in out["pids"] if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture(scope="module")
+def sequential_and_repro(tmp_path_factory):
+    seq = small_repo(tmp_path_factory.mktemp("sequential"), VARIANTS)
+    par = small_repo(tmp_path_factory.mktemp("repro"), VARIANTS)
+    before = set(raylets())
+    sequential = run([tool("dvc"), "repro"], seq)
+    assert sequential.returncode == 0, sequential.stdout[-3000:] + sequential.stderr[-3000:]
+    parallel = run([tool("quantgate"), "repro"], par)
+    assert parallel.returncode == 0, parallel.stdout[-3000:] + parallel.stderr[-3000:]
+    assert set(raylets()) <= before, "quantgate repro left its Ray cluster running"
+    return seq, par, parallel
+
+
+def routes(repo) -> list:
+    table = json.loads((repo / "results" / "routing_table.json").read_text())
+    return [(r["domain"], r["max_context_tokens"], r["serve"], r["fallback_under_memory_pressure"],
+             [(c["variant"], c["verdict"]) for c in r["considered"]]) for r in table["rows"]]
+
+
+def mlflow_layout(repo) -> list:
+    """Every run's name, kind, variant, and the names of its metrics, params and tags (values vary run to run)."""
+    from mlflow import MlflowClient
+
+    run_file = json.loads((repo / "results" / "mlflow_run.json").read_text())
+    client = MlflowClient(run_file["tracking_uri"])
+    runs = client.search_runs([run_file["experiment_id"]])
+    return sorted((r.info.run_name if r.info.run_id != run_file["parent_run_id"] else "parent",
+                   r.data.tags.get("quantgate.kind"), r.data.tags.get("quantgate.variant"), sorted(r.data.metrics),
+                   sorted(r.data.params), sorted(t for t in r.data.tags if not t.startswith("mlflow.")))
+                  for r in runs)
+
+
+def test_quantgate_repro_fans_out_and_matches_a_sequential_dvc_repro(sequential_and_repro):
+    seq, par, parallel = sequential_and_repro
+    assert "on a local Ray cluster" in parallel.stdout + parallel.stderr
+    assert records(par) == records(seq) and len(records(seq)) == len(VARIANTS)
+    assert verdicts(par) == verdicts(seq)
+    assert routes(par) == routes(seq)
+    assert mlflow_layout(par) == mlflow_layout(seq) and len(mlflow_layout(seq)) == len(VARIANTS) + 2  # + parent, shadow
+    status = run([tool("dvc"), "status"], par)
+    assert "up to date" in status.stdout, status.stdout
+    timings = par / "logs" / "timings"
+    evaluate = [json.loads(p.read_text()) for p in (timings / "evaluate@awq4").glob("*.json")]
+    assert any("lm-eval" in row["library"] for row in evaluate)  # the child process's library time came back
+
+
+def test_a_second_quantgate_repro_does_nothing_and_starts_no_ray(sequential_and_repro):
+    _, par, _ = sequential_and_repro
+    again = run([tool("quantgate"), "repro"], par)
+    assert again.returncode == 0 and repro.UP_TO_DATE in again.stdout, again.stdout + again.stderr
+    assert "Ray" not in again.stdout + again.stderr
+
+
+def test_the_clean_stamp_answers_only_while_nothing_dvc_lock_names_has_moved(tmp_path):
+    from pipelines.core import lock_stamp
+
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / "params.yaml").write_text("a: 1\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "x.txt").write_text("x")
+    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages:\n  s:\n    cmd: c\n    deps:\n    - path: data\n"
+                                       "    params:\n      params.yaml:\n        a: 1\n    outs:\n    - path: out.txt\n")
+    (tmp_path / "out.txt").write_text("o")
+    assert not lock_stamp.is_clean(tmp_path)  # no stamp yet: DVC decides
+    before = lock_stamp.snapshot(tmp_path)
+    assert {"data/x.txt", "params.yaml", "out.txt", "dvc.lock", "dvc.yaml"} <= set(before)
+    lock_stamp.save(tmp_path, before)
+    assert lock_stamp.is_clean(tmp_path)
+    (tmp_path / "data" / "new.txt").write_text("n")  # a new file in a dependency folder
+    assert not lock_stamp.is_clean(tmp_path)
+    (tmp_path / "data" / "new.txt").unlink()
+    assert lock_stamp.is_clean(tmp_path)
+    (tmp_path / "params.yaml").write_text("a: 2\n")  # an edit
+    assert not lock_stamp.is_clean(tmp_path)
+    lock_stamp.save(tmp_path, before)  # files moved while DVC checked: no stamp is written
+    assert not lock_stamp.is_clean(tmp_path)
+    lock_stamp.save(tmp_path, lock_stamp.snapshot(tmp_path))
+    (tmp_path / "out.txt").unlink()  # an output gone
+    assert not lock_stamp.is_clean(tmp_path)
+
+
+def test_stage_parents_import_no_torch_on_a_machine_without_a_gpu_driver():
+    """The parents of the isolated stages only hand work to a child: importing torch there cost 2 s per stage."""
+    code = ("import sys\nimport pipelines.memory, pipelines.evaluate, pipelines.baseline, pipelines.quantize\n"
+            "from pipelines.models.loading import resolve_device\nprint(resolve_device('auto'), 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["cpu", "False"], done.stdout + done.stderr
+
+
+def test_a_stage_process_writes_its_wall_time_and_library_seconds(tmp_path, monkeypatch):
+    from pipelines.core import timing
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(timing.STAGE_ENV, raising=False)
+    timing.flush()  # outside a stage: nothing
+    assert not (tmp_path / "logs").exists()
+    timing.start("evaluate@awq4")
+    with timing.library_call("lm-eval"):
+        sum(range(10_000))
+    with timing.library_call("lm-eval"):
+        pass
+    timing.flush()
+    [row] = [json.loads(p.read_text()) for p in (tmp_path / "logs/timings/evaluate@awq4").glob("*.json")]
+    assert row["library"]["lm-eval"]["calls"] == 2 and 0 <= row["library"]["lm-eval"]["seconds"] < row["wall_seconds"]
+    timing.clear("evaluate@awq4")
+    assert not list((tmp_path / "logs/timings/evaluate@awq4").glob("*.json"))
+
+
+@pytest.mark.parametrize("ray_fails", [False, True])
+def test_a_single_core_or_a_ray_that_will_not_start_runs_plain_dvc_repro_saying_why(monkeypatch, caplog, ray_fails):
+    from pipelines.chains import tasks
+    from pipelines.core import lock_stamp, ray_auth
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(lock_stamp, "is_clean", lambda root: False)
+    monkeypatch.setattr(lock_stamp, "save", lambda root, before: None)
+    monkeypatch.setattr(lock_stamp, "forget", lambda root: None)
+    monkeypatch.setattr(tasks, "dvc_changed", lambda root: {"calibrate"})
+    monkeypatch.setattr(ray_auth, "private_local_cluster", lambda: None)
+    monkeypatch.setattr(repro, "cores", lambda: 2 if ray_fails else 1)
+
+    def no_cluster(*args, **kwargs):
+        raise ray_auth.RayUnavailable("could not start or reach a local Ray cluster: RuntimeError: no /dev/shm")
+
+    monkeypatch.setattr(tasks, "run_chains", no_cluster)
+    ran = []
+    monkeypatch.setattr(repro.subprocess, "run", lambda argv, **kw: ran.append(argv) or subprocess.CompletedProcess(argv, 0))
+    with caplog.at_level("INFO"):
+        assert repro.main() == 0
+    assert [Path(a).name for a in ran[0]] == ["dvc", "repro"]
+    said = caplog.text
+    assert ("no /dev/shm; plain dvc repro instead" in said) if ray_fails else \
+        ("plain dvc repro (this machine gives the run 1 core)" in said)
