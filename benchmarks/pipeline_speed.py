@@ -70,7 +70,10 @@ def stage_times(repo: Path, since: float) -> dict[str, dict]:
         if not rows or folder.name == "repro":
             continue
         pids = {r["pid"] for r in rows}
-        top = max((r for r in rows if r["parent"] not in pids), key=lambda r: r["wall_seconds"])
+        tops = [r for r in rows if r["parent"] not in pids]
+        if not tops:  # only a child's numbers (its stage process was killed): nothing to time the stage by
+            continue
+        top = max(tops, key=lambda r: r["wall_seconds"])
         library: dict[str, dict] = {}
         for r in rows:
             for call, v in r["library"].items():
@@ -79,6 +82,20 @@ def stage_times(repo: Path, since: float) -> dict[str, dict]:
                 seen["calls"] += v["calls"]
         stages[folder.name] = {"wall_seconds": top["wall_seconds"], "processes": len(rows), "library": library}
     return stages
+
+
+def differences(a: Path, b: Path) -> list[str]:
+    """Verdict rows (verdict, items, difference) and routing rows (the variant served) that differ between two runs."""
+    def rows(repo: Path) -> dict:
+        report = json.loads((repo / "results/compare.json").read_text())
+        table = json.loads((repo / "results/routing_table.json").read_text())
+        out = {f"{v} {d}": (r["verdict"], (r.get("paired") or {}).get("items"), (r.get("paired") or {}).get("difference"))
+               for v, row in report["variants"].items() for d, r in row["domains"].items()}
+        out.update({f"route {r['domain']} <= {r['max_context_tokens']}": r["serve"] for r in table["rows"]})
+        return out
+
+    left, right = rows(a), rows(b)
+    return sorted(k for k in set(left) | set(right) if left.get(k) != right.get(k))
 
 
 def print_stages(title: str, stages: dict[str, dict]) -> None:
@@ -142,6 +159,8 @@ def main() -> None:
             numbers["stages"]["sequential"] = stage_times(seq, since)
             numbers["sequential_minutes"] = round(took / 60, 2)
             line("fresh dvc repro (sequential)", took / 60, "min", GOALS["fresh_minutes"])
+            numbers["differs_from_sequential"] = differences(repo, seq)
+            print(f"{'fanned out vs sequential: rows that differ':58} {numbers['differs_from_sequential'] or 'none'}")
         for name, argv in (("noop_seconds", [quantgate, "repro"]), ("noop_dvc_seconds", [dvc, "repro"])):
             took, _ = timed(argv, repo)
             numbers[name] = round(took, 2)

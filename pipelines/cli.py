@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="NAME", help="registered model (default: quantgate-<model> from params.yaml)")
     p.add_argument("--dest", metavar="DIR", help="where to put it (default: models/fetched/<NAME>-v<version>); "
                                                  "an existing non-empty DIR is only accepted when it holds those bytes")
-    p = verb("ui", "start the MLflow UI on 127.0.0.1 over the local tracking store")
-    p.add_argument("--port", type=int, default=5000)
+    verb("ui", "start the MLflow UI on 127.0.0.1 over the local tracking store").add_argument("--port", type=int,
+                                                                                              default=5000)
     p = verb("doctor", "check what the configured run needs here (sandbox, torch and devices, quantization backends, "
                        "MLflow, disk, model, dvc); exit 1 when it could not give a verdict")
     p.add_argument("--params", default="params.yaml", metavar="FILE", help="the params file to check (default: %(default)s)")
@@ -124,8 +124,8 @@ def entry(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # route lookup answers in front of every request: it must not pay for importing torch
-    logs.setup(verbose=args.verbose, libraries=getattr(args, "action", None) != "lookup")
+    verb = "route lookup" if getattr(args, "action", None) == "lookup" else args.command
+    logs.setup(verbose=args.verbose, libraries=verb not in logs.NO_TORCH_COMMANDS)  # their torch import: 2 s
     timing.start(timing.stage_of(vars(args)))  # benchmarks/pipeline_speed.py reads where its time went
     try:
         function, kwargs = entry(args)

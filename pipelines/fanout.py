@@ -14,7 +14,7 @@ import logging
 import os
 from pathlib import Path
 
-from pipelines.chains.tasks import run_chains
+from pipelines.chains.tasks import one_run_at_a_time, run_chains
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,9 @@ def main(address: str | None = None, report: str | None = None, insecure: bool =
     from pipelines.core.io import write_json
     from pipelines.core.params import load_params
 
-    done = run_chains(Path(os.environ.get("DVC_ROOT", ".")).resolve(), load_params(), address, insecure=insecure)
+    root = Path(os.environ.get("DVC_ROOT", ".")).resolve()
+    with one_run_at_a_time(root):
+        done = run_chains(root, load_params(), address, insecure=insecure)
     if report:
         write_json(Path(report), done)
     for name, row in done["ran"].items():

@@ -8,8 +8,9 @@ evaluate) run as tasks on a local Ray cluster that this command starts and stops
 machinery): private to the machine and the run (`ray_auth.private_local_cluster`: every Ray server on
 127.0.0.1, token authentication with a token of its own). Then `dvc repro` runs what is left (memory-report,
 compare, shadow, route, record), so `dvc status` is clean after it, and dvc.lock holds what a sequential run
-would: the same verdicts, routing table and MLflow layout (tests/test_fanout.py compares them). One core,
-no Ray, or --sequential: plain `dvc repro`, and the log says why. Nothing to do: said in milliseconds when no file
+would: the same verdicts, routing table and MLflow layout (tests/test_repro.py compares them). One core,
+no Ray, a Ray that will not start, a machine with GPUs that `fanout` gives the tasks none of, or --sequential:
+plain `dvc repro`, and the log says why. A stage whose Ray task Ray itself lost is left for `dvc repro` to run. Nothing to do: said in milliseconds when no file
 dvc.lock vouches for moved since DVC last found the pipeline clean (core/lock_stamp.py), else after `dvc status`.
 """
 
@@ -27,8 +28,16 @@ UP_TO_DATE = "Data and pipelines are up to date."  # what `dvc repro` says; the 
 
 
 def cores() -> int:
-    """The cores this process may run on (a container's or taskset's limit, not the host's count)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may use: its CPU affinity (taskset), capped by a cgroup v2 CPU quota (a container's
+    `--cpus`)."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return n
 
 
 def why_sequential(sequential: bool) -> str | None:
@@ -44,14 +53,23 @@ def why_sequential(sequential: bool) -> str | None:
 
 def main(sequential: bool = False) -> int:
     """`quantgate repro`: fan the chains out locally when it helps, then `dvc repro` for the rest; its exit code."""
-    from pipelines.chains import tasks
     from pipelines.core import lock_stamp
-    from pipelines.core.params import load_params
 
     root = Path(os.environ.get("DVC_ROOT", ".")).resolve()
     if lock_stamp.is_clean(root):  # no file DVC looks at moved since it last found the pipeline clean
         print(UP_TO_DATE)
         return 0
+    from pipelines.chains.tasks import one_run_at_a_time
+
+    with one_run_at_a_time(root):
+        return _run(root, sequential)
+
+
+def _run(root: Path, sequential: bool) -> int:
+    from pipelines.chains import tasks
+    from pipelines.core import lock_stamp
+    from pipelines.core.params import load_params
+
     before = lock_stamp.snapshot(root)
     changed = tasks.dvc_changed(root)
     if not changed:
@@ -69,15 +87,16 @@ def main(sequential: bool = False) -> int:
         private_local_cluster()
         log.info("repro: the per-variant chains on a local Ray cluster (%d cores, 127.0.0.1, token auth)", cores())
         try:
-            done = tasks.run_chains(root, load_params(), None)
+            done = tasks.run_chains(root, load_params(), None, leave_ray_failures=True)
             log.info("repro: %d chain stages ran, %d failed (recorded as their variants' failures)%s; now dvc repro",
                      len(done["ran"]), len(done["failed"]),
                      f" in {done['wall_seconds']} s" if "wall_seconds" in done else "")
-        except RayUnavailable as err:
+        except (RayUnavailable, tasks.GpusNotGiven) as err:
             log.warning("repro: %s; plain dvc repro instead", err)
     else:
         log.info("repro: plain dvc repro (%s)", reason)
-    code = subprocess.run([tasks.dvc_bin(), "repro"], cwd=root).returncode
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}  # the cluster is gone; its token stays here
+    code = subprocess.run([tasks.dvc_bin(), "repro"], cwd=root, env=env).returncode
     if code == 0:
         before = lock_stamp.snapshot(root)
         if not tasks.dvc_changed(root):

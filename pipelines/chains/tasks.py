@@ -18,6 +18,8 @@ the stages after it run as they would after any failure. Only the fp16 baseline 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -154,14 +156,20 @@ def stage_env(env: dict, gpu_ids: list | None = None) -> dict[str, str]:
     Ray puts `OMP_NUM_THREADS` = the task's CPUs into its workers (`ray up` nodes start with 1, and a node may
     set `MKL_NUM_THREADS`); unless the driver set them, they are removed, so the stage gets the thread count
     `dvc repro` would give it. `gpu_ids`: the GPUs Ray gave the task (None outside Ray). A task given none sees
-    none: Ray 2.60 no longer hides a node's GPUs from it, and it would use GPUs that other tasks hold."""
+    none: Ray 2.60 no longer hides a node's GPUs from it, and it would use GPUs that other tasks hold. The cluster's
+    token (RAY_AUTH_TOKEN) is not passed on: a stage needs no Ray, and model-written code runs inside it."""
     out = {**os.environ, **env}
+    out.pop("RAY_AUTH_TOKEN", None)
     for name in THREAD_COUNTS:
         if name not in env:
             out.pop(name, None)
     if gpu_ids is not None and not gpu_ids:
         out["CUDA_VISIBLE_DEVICES"] = ""
     return out
+
+
+class GpusNotGiven(QuantgateError):
+    """The cluster has GPUs and fanout gives a variant's tasks none (`quantgate repro` then runs plain `dvc repro`)."""
 
 
 def check_gpus(params, variants: list[str], cluster_gpus: float) -> None:
@@ -172,7 +180,7 @@ def check_gpus(params, variants: list[str], cluster_gpus: float) -> None:
         return
     without = [v for v in dict.fromkeys(variants) if not resources(params, v)["num_gpus"]]
     if without:
-        raise QuantgateError(f"the cluster has {cluster_gpus:g} GPU(s), but fanout gives {', '.join(without)} none "
+        raise GpusNotGiven(f"the cluster has {cluster_gpus:g} GPU(s), but fanout gives {', '.join(without)} none "
                              "(fanout.gpus, fanout.per_variant in params.yaml): their stages would run on the CPU, "
                              f"unlike `dvc repro` with device: {params.device}; give them GPUs, or set device: cpu")
 
@@ -236,17 +244,33 @@ def record_failure(root: Path, stage: Stage, cause: str, env: dict) -> None:
         raise QuantgateError(f"{stage.name}: could not record its failure ({done.stderr.strip()[-500:]})")
 
 
-def run_chains(root: Path, params, address: str | None, env: dict | None = None, insecure: bool = False) -> dict:
+@contextlib.contextmanager
+def one_run_at_a_time(root: Path):
+    """An exclusive lock for the run: two fan-outs (or a fan-out and another repro) in one workspace would commit
+    one run's results against the other's checkpoints."""
+    path = root / ".dvc" / "tmp" / "quantgate-repro.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise QuantgateError(f"another quantgate repro or fanout is running in {root} (it holds {path}): "
+                                 "wait for it") from None
+        yield
+
+
+def run_chains(root: Path, params, address: str | None, env: dict | None = None, insecure: bool = False,
+               leave_ray_failures: bool = False) -> dict:
     """The whole fan-out; returns what ran where, what failed, and what was committed. A cluster named by address
     (or RAY_ADDRESS) is checked (`connect`) before anything runs; a local one is started, with a token, only when
-    a stage needs running."""
+    a stage needs running. `leave_ray_failures` (quantgate repro): a stage whose Ray task died (Ray's memory monitor,
+    a lost raylet), and what comes after it, is not recorded as the variant's failure but left uncommitted, for the
+    `dvc repro` that follows to run as a sequential run would."""
     env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **thread_settings(),
            **(env or {})}
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is not None:
         connect(address, insecure)
-    import ray
-
     try:
         upstream = subprocess.run([dvc_bin(), "repro", "calibrate"], cwd=root, env={**os.environ, **env})
         if upstream.returncode != 0:
@@ -261,6 +285,8 @@ def run_chains(root: Path, params, address: str | None, env: dict | None = None,
             return report
         if address is None:
             connect(None, insecure)
+        import ray
+
         check_gpus(params, [stages[name].variant for name in todo], ray.cluster_resources().get("GPU", 0))
         remote = ray.remote(max_retries=params.fanout.retries, retry_exceptions=False)(run_stage)
         refs: dict[str, object] = {}
@@ -272,9 +298,14 @@ def run_chains(root: Path, params, address: str | None, env: dict | None = None,
         results = _gather(refs, stages)
         report["wall_seconds"] = round(time.monotonic() - started, 1)
     finally:
-        ray.shutdown()
+        if "ray" in sys.modules:
+            sys.modules["ray"].shutdown()
+    left: list[str] = []
     for name in todo:  # dependency order: a failure is recorded before the stages after it run again here
         stage, result = stages[name], results[name]
+        if leave_ray_failures and (result.get("ray_failed") or any(u in left for u in stage.after)):
+            left.append(name)
+            continue
         if result.get("ok"):
             report["ran"][name] = result
             continue
@@ -293,13 +324,19 @@ def run_chains(root: Path, params, address: str | None, env: dict | None = None,
     if changed:
         raise QuantgateError(f"{len(changed)} input file(s) changed while the fan-out ran (e.g. {changed[0]}): dvc.lock "
                              "would vouch for outputs made from other inputs, so nothing was committed; run "
-                             "`quantgate fanout` again")
+                             "the command again (quantgate fanout or quantgate repro)")
     committed = [name for name in todo if name in report["ran"] or name in report["failed"]]
+    if not committed:  # `dvc commit` without targets would vouch for every stage
+        report["left_to_dvc"] = left
+        return report
     done = subprocess.run([dvc_bin(), "commit", "--force", *committed], cwd=root, env={**os.environ, **env},
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise QuantgateError(f"dvc commit failed: {done.stderr.strip() or done.stdout.strip()}")
     report["committed"] = committed
+    if left:
+        report["left_to_dvc"] = left
+        log.warning("fanout: Ray lost %s; left for dvc repro to run", ", ".join(left))
     return report
 
 
@@ -335,6 +372,6 @@ def _gather(refs: dict[str, object], stages: dict[str, Stage]) -> dict[str, dict
         failed_ups = [u for u in stages[name].after if u in results and not results[u].get("ok")]
         results[name] = ({"stage": name, "ok": False, "upstream_failed": True, "error": f"{', '.join(failed_ups)} failed first"}
                          if failed_ups else
-                         {"stage": name, "ok": False, "error": f"its Ray task failed after the retries: "
+                         {"stage": name, "ok": False, "ray_failed": True, "error": f"its Ray task failed after the retries: "
                                                                f"{type(got).__name__}: {str(got).strip().splitlines()[0][:500]}"})
     return results

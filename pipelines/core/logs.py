@@ -39,6 +39,12 @@ def apply_library_env() -> None:
         os.environ.setdefault(key, value)
 
 
+# Commands whose own process imports no torch (their models load in isolated children, or never): importing it
+# only to take back its console handlers would cost each of them 2 s (a no-op `quantgate repro` included).
+NO_TORCH_COMMANDS = {"route lookup", "repro", "fanout", "quantize", "memory", "memory-report", "baseline", "evaluate",
+                     "compare", "route", "gate"}
+
+
 def setup(log_file: Path = LOG_FILE, verbose: bool = False, libraries: bool = True) -> None:
     """Route quantgate's messages to the console and every logger's messages to `log_file`.
 

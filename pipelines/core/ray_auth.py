@@ -7,10 +7,13 @@ connects to a cluster that never checks it; so the cluster itself is asked, with
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
@@ -99,11 +102,17 @@ def connect(address: str | None, insecure: bool = False) -> None:
         require_token(address)
         if address and ":" in address and not address.startswith(("ray://", "auto", "local")):
             refuse_open_cluster(address)  # a named GCS is asked before ray.init sends it the token
-    import ray
-
-    local = {"include_dashboard": False} if address is None else {}  # a cluster started here: no dashboard to guard
     try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, **local)
+        import ray
+    except Exception as err:  # noqa: BLE001 - a broken install raises anything on import
+        raise RayUnavailable(f"Ray does not import here: {type(err).__name__}: {err}") from err
+    local = {}
+    if address is None:  # a new cluster of its own (Ray's None joins one an earlier `ray start` left here), no dashboard
+        temp = tempfile.mkdtemp(prefix="qg-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)  # its own session files: short, Ray's socket paths must fit 107 bytes
+        atexit.register(shutil.rmtree, temp, True)
+        local = {"include_dashboard": False, "_temp_dir": temp}
+    try:
+        ray.init(address=address or "local", log_to_driver=False, logging_level=logging.WARNING, **local)
     except Exception as err:  # noqa: BLE001 - Ray raises RuntimeError, ConnectionError, ... for a cluster it cannot reach
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
         raise RayUnavailable(f"could not start or reach {where}: {type(err).__name__}: "

@@ -65,7 +65,7 @@ def dtype_of(name: str):
     return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")  # NVIDIA's driver, ROCm's, WSL's
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg", "/dev/nvhost-ctrl-gpu")  # NVIDIA, ROCm, WSL, Jetson
 
 
 def resolve_device(setting: str) -> str:

@@ -20,6 +20,9 @@ def render_pipeline_speed(ctx: Context, arg: str, old: list[str]) -> list[str]:
              f"≤ {g['fresh_minutes']:g} min"]]
     if "sequential_minutes" in r:
         rows.append(["fresh `dvc repro` (sequential), for comparison", f"{r['sequential_minutes']:.1f} min", ""])
+    if "differs_from_sequential" in r:
+        rows.append(["verdict and routing rows that differ, fanned out vs sequential",
+                     ", ".join(r["differs_from_sequential"]) or "none", "none"])
     rows.append(["no-op `quantgate repro` / `dvc repro`", f"{r['noop_seconds']:.1f} s / {r['noop_dvc_seconds']:.1f} s",
                  f"≤ {g['noop_seconds']:g} s"])
     untouched = ", ".join(r["change_untouched"]) or "none"
