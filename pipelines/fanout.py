@@ -11,10 +11,9 @@ The machinery (tasks, retries, failures recorded, `dvc commit`) is pipelines/cha
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
-from pipelines.chains.tasks import one_run_at_a_time, run_chains
+from pipelines.chains.tasks import one_run_at_a_time, repo_root, run_chains
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +24,7 @@ def main(address: str | None = None, report: str | None = None, insecure: bool =
     from pipelines.core.io import write_json
     from pipelines.core.params import load_params
 
-    root = Path(os.environ.get("DVC_ROOT", ".")).resolve()
+    root = repo_root()
     with one_run_at_a_time(root):
         done = run_chains(root, load_params(), address, insecure=insecure)
     if report:

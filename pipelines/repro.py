@@ -28,16 +28,33 @@ UP_TO_DATE = "Data and pipelines are up to date."  # what `dvc repro` says; the 
 
 
 def cores() -> int:
-    """The cores this process may use: its CPU affinity (taskset), capped by a cgroup v2 CPU quota (a container's
-    `--cpus`)."""
+    """The cores this process may use: its CPU affinity (taskset), capped by a CPU quota (a container's `--cpus`)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cpu_quota()
+    return max(1, min(n, int(quota))) if quota is not None else n
+
+
+def cpu_quota() -> float | None:
+    """The tightest cgroup CPU quota over this process's cgroup and its parents (v2 `cpu.max`, v1 `cfs_quota_us`), in
+    cores; None without one."""
+    limits = []
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
-        if quota != "max":
-            n = min(n, max(1, int(int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
-    return n
+        path = next((line.split(":", 2)[2].strip() for line in Path("/proc/self/cgroup").read_text().splitlines()
+                     if line.startswith("0::")), "/")
+    except OSError:
+        path = "/"
+    folders = [Path("/sys/fs/cgroup", path.lstrip("/")), *Path("/sys/fs/cgroup", path.lstrip("/")).parents]
+    pairs = [(f / "cpu.max", None) for f in folders if str(f).startswith("/sys/fs/cgroup")]
+    pairs += [(Path(f"/sys/fs/cgroup/{c}/cpu.cfs_quota_us"), Path(f"/sys/fs/cgroup/{c}/cpu.cfs_period_us"))
+              for c in ("cpu", "cpu,cpuacct")]
+    for quota_file, period_file in pairs:
+        try:
+            words = quota_file.read_text().split() + (period_file.read_text().split() if period_file else [])
+            if words[0] not in ("max", "-1"):
+                limits.append(int(words[0]) / int(words[1]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return min(limits) if limits else None
 
 
 def why_sequential(sequential: bool) -> str | None:
@@ -55,12 +72,12 @@ def main(sequential: bool = False) -> int:
     """`quantgate repro`: fan the chains out locally when it helps, then `dvc repro` for the rest; its exit code."""
     from pipelines.core import lock_stamp
 
-    root = Path(os.environ.get("DVC_ROOT", ".")).resolve()
+    from pipelines.chains.tasks import one_run_at_a_time, repo_root
+
+    root = repo_root()
     if lock_stamp.is_clean(root):  # no file DVC looks at moved since it last found the pipeline clean
         print(UP_TO_DATE)
         return 0
-    from pipelines.chains.tasks import one_run_at_a_time
-
     with one_run_at_a_time(root):
         return _run(root, sequential)
 
@@ -77,17 +94,24 @@ def _run(root: Path, sequential: bool) -> int:
         print(UP_TO_DATE)
         return 0
     lock_stamp.forget(root)
-    chains = tasks.chain_stages(load_params())
+    params = load_params()
+    chains = tasks.chain_stages(params)
     reason = why_sequential(sequential)
     if reason is None and not tasks.stale(chains, changed) and not changed & {"reference", "calibrate"}:
         reason = "no per-variant chain needs running"
+    if reason is None and params.device != "cpu":
+        from pipelines.models.loading import resolve_device
+
+        if resolve_device(params.device) == "cuda" and not all(tasks.resources(params, v)["num_gpus"]
+                                                              for v in {s.variant for s in chains.values()}):
+            reason = "the stages run on CUDA here and `fanout` gives some variants' tasks no GPU (fanout.gpus)"
     if reason is None:
         from pipelines.core.ray_auth import RayUnavailable, private_local_cluster
 
         private_local_cluster()
         log.info("repro: the per-variant chains on a local Ray cluster (%d cores, 127.0.0.1, token auth)", cores())
         try:
-            done = tasks.run_chains(root, load_params(), None, leave_ray_failures=True)
+            done = tasks.run_chains(root, params, None, leave_ray_failures=True)
             log.info("repro: %d chain stages ran, %d failed (recorded as their variants' failures)%s; now dvc repro",
                      len(done["ran"]), len(done["failed"]),
                      f" in {done['wall_seconds']} s" if "wall_seconds" in done else "")
@@ -95,8 +119,7 @@ def _run(root: Path, sequential: bool) -> int:
             log.warning("repro: %s; plain dvc repro instead", err)
     else:
         log.info("repro: plain dvc repro (%s)", reason)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}  # the cluster is gone; its token stays here
-    code = subprocess.run([tasks.dvc_bin(), "repro"], cwd=root, env=env).returncode
+    code = subprocess.run([tasks.dvc_bin(), "repro"], cwd=root, env=tasks.without_token(dict(os.environ))).returncode
     if code == 0:
         before = lock_stamp.snapshot(root)
         if not tasks.dvc_changed(root):

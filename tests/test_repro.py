@@ -94,7 +94,8 @@ def mlflow_layout(repo) -> list:
 
 def test_quantgate_repro_fans_out_and_matches_a_sequential_dvc_repro(sequential_and_repro):
     seq, par, parallel = sequential_and_repro
-    assert "on a local Ray cluster" in parallel.stdout + parallel.stderr
+    said = parallel.stdout + parallel.stderr
+    assert "chain stages ran" in said and "plain dvc repro" not in said, said[-3000:]
     assert records(par) == records(seq) and len(records(seq)) == len(VARIANTS)
     assert verdicts(par) == verdicts(seq)
     assert routes(par) == routes(seq)
@@ -114,6 +115,10 @@ def test_a_second_quantgate_repro_does_nothing_and_starts_no_ray_nor_torch(seque
         assert again.returncode == 0 and repro.UP_TO_DATE in again.stdout, again.stdout + again.stderr[-3000:]
         imported = {line.split("|")[-1].strip() for line in again.stderr.splitlines() if line.startswith("import time:")}
         assert "torch" not in imported and "ray" not in imported, sorted(imported)[:20]
+    # the stamp answers: with `dvc status` made to fail, a no-op still says so
+    stamped = run([sys.executable, "-c", "import sys; from pipelines.chains import tasks; from pipelines.cli import main; "
+                   "tasks.dvc_changed = lambda root: sys.exit('dvc status was asked'); sys.exit(main(['repro']))"], par)
+    assert stamped.returncode == 0 and repro.UP_TO_DATE in stamped.stdout, stamped.stdout + stamped.stderr[-2000:]
 
 
 def test_the_clean_stamp_answers_only_while_nothing_dvc_lock_names_has_moved(tmp_path):
@@ -154,8 +159,10 @@ def test_the_clean_stamp_answers_only_while_nothing_dvc_lock_names_has_moved(tmp
     (outside / "model.safetensors").write_text("v")  # a candidate outside the workspace, edited
     assert not lock_stamp.is_clean(tmp_path)
     (tmp_path / "params.yaml").write_text("a: 2\n")
-    lock_stamp.save(tmp_path, before)  # files moved while DVC checked: no stamp is written
-    assert not lock_stamp.is_clean(tmp_path)
+    lock_stamp.forget(tmp_path)
+    time.sleep(lock_stamp.RACY_SECONDS)
+    lock_stamp.save(tmp_path, before)  # files moved since `before` (while DVC checked): no stamp is written
+    assert not (tmp_path / lock_stamp.STAMP).exists()
     (tmp_path / "extra.dvc").write_text("outs: []\n")  # DVC reads more than dvc.lock: the stamp stands aside
     assert lock_stamp.snapshot(tmp_path) is None
     (tmp_path / "extra.dvc").unlink()
@@ -173,12 +180,12 @@ def test_stage_parents_import_no_torch_on_a_machine_without_a_gpu_driver():
         import sys
         from pipelines import cli
         from pipelines.core import logs
-        for argv in (["memory", "int8"], ["evaluate", "int8"], ["baseline"], ["quantize", "int8"], ["repro"],
-                     ["fanout"], ["gate"], ["compare"], ["route"], ["route", "lookup", "x", "--context-tokens", "3"]):
-            args = cli.build_parser().parse_args(argv)
-            verb = "route lookup" if argv[:2] == ["route", "lookup"] else argv[0]
-            logs.setup(log_file=logs.Path(sys.argv[1]), libraries=verb not in logs.NO_TORCH_COMMANDS)
-            cli.entry(args)  # imports the verb's module
+        argv_of = {"memory": ["memory", "int8"], "evaluate": ["evaluate", "int8"], "quantize": ["quantize", "int8"],
+                   "route lookup": ["route", "lookup", "x", "--context-tokens", "3"]}
+        for verb in sorted(logs.NO_TORCH_COMMANDS):
+            args = cli.build_parser().parse_args(argv_of.get(verb, [verb]))
+            logs.setup(log_file=logs.Path(sys.argv[1]), libraries=False)
+            cli.entry(args)  # imports the verb's module, as cli.main does before calling it
         from pipelines.models.loading import resolve_device
         print(resolve_device("auto"), "torch" in sys.modules)
     """)
@@ -206,29 +213,68 @@ def test_a_stage_process_writes_its_wall_time_and_library_seconds(tmp_path, monk
     assert not list((tmp_path / "logs/timings/evaluate@awq4").glob("*.json"))
 
 
-@pytest.mark.parametrize("ray_fails", [False, True])
-def test_a_single_core_or_a_ray_that_will_not_start_runs_plain_dvc_repro_saying_why(monkeypatch, caplog, ray_fails):
+@pytest.mark.parametrize("case", ["one core", "ray fails", "gpus undeclared", "cuda here"])
+def test_one_core_a_ray_that_will_not_start_or_gpus_without_fanout_gpus_run_plain_dvc_repro_saying_why(
+        monkeypatch, caplog, case):
+    import contextlib
+
     from pipelines.chains import tasks
     from pipelines.core import lock_stamp, ray_auth
+    from pipelines.models import loading
 
     monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "secret")  # what private_local_cluster puts here
     monkeypatch.setattr(lock_stamp, "is_clean", lambda root: False)
     monkeypatch.setattr(lock_stamp, "save", lambda root, before: None)
     monkeypatch.setattr(lock_stamp, "forget", lambda root: None)
     monkeypatch.setattr(lock_stamp, "snapshot", lambda root: None)
+    monkeypatch.setattr(tasks, "one_run_at_a_time", lambda root: contextlib.nullcontext())
     monkeypatch.setattr(tasks, "dvc_changed", lambda root: {"calibrate"})
     monkeypatch.setattr(ray_auth, "private_local_cluster", lambda: None)
-    monkeypatch.setattr(repro, "cores", lambda: 2 if ray_fails else 1)
+    monkeypatch.setattr(repro, "cores", lambda: 1 if case == "one core" else 2)
+    monkeypatch.setattr(loading, "resolve_device", lambda setting: "cuda" if case == "cuda here" else "cpu")
 
-    def no_cluster(*args, **kwargs):
+    def no_fanout(*args, **kwargs):
+        if case == "gpus undeclared":
+            raise tasks.GpusNotGiven("the cluster has 1 GPU(s), but fanout gives fp16 none")
         raise ray_auth.RayUnavailable("could not start or reach a local Ray cluster: RuntimeError: no /dev/shm")
 
-    monkeypatch.setattr(tasks, "run_chains", no_cluster)
+    monkeypatch.setattr(tasks, "run_chains", no_fanout)
     ran = []
-    monkeypatch.setattr(repro.subprocess, "run", lambda argv, **kw: ran.append(argv) or subprocess.CompletedProcess(argv, 0))
+    monkeypatch.setattr(repro.subprocess, "run", lambda argv, **kw: ran.append((argv, kw["env"]))
+                        or subprocess.CompletedProcess(argv, 0))
     with caplog.at_level("INFO"):
         assert repro.main() == 0
-    assert [Path(a).name for a in ran[0]] == ["dvc", "repro"]
-    said = caplog.text
-    assert ("no /dev/shm; plain dvc repro instead" in said) if ray_fails else \
-        ("plain dvc repro (this machine gives the run 1 core)" in said)
+    [(argv, env)] = ran
+    assert [Path(a).name for a in argv] == ["dvc", "repro"] and "RAY_AUTH_TOKEN" not in env
+    said = {"one core": "plain dvc repro (this machine gives the run 1 core)",
+            "ray fails": "no /dev/shm; plain dvc repro instead",
+            "gpus undeclared": "gives fp16 none; plain dvc repro instead",
+            "cuda here": "plain dvc repro (the stages run on CUDA here and `fanout` gives"}[case]
+    assert said in caplog.text, caplog.text
+
+
+def test_two_runs_in_one_workspace_are_refused(tmp_path):
+    from pipelines.chains import tasks
+    from pipelines.core.errors import QuantgateError
+
+    (tmp_path / ".dvc").mkdir()
+    with tasks.one_run_at_a_time(tmp_path):
+        with pytest.raises(QuantgateError, match="another quantgate repro or fanout is running"):
+            with tasks.one_run_at_a_time(tmp_path):
+                pass
+    with tasks.one_run_at_a_time(tmp_path):  # released with the first
+        pass
+
+
+def test_a_subdirectory_runs_in_its_repository_and_no_repository_is_an_error(tmp_path, monkeypatch):
+    from pipelines.chains import tasks
+    from pipelines.core.errors import QuantgateError
+
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    monkeypatch.chdir(ROOT / "docs")
+    assert tasks.repo_root() == ROOT and Path.cwd() == ROOT
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(QuantgateError, match="not inside a DVC repository"):
+        tasks.repo_root()
+    assert not (tmp_path / ".dvc").exists()

@@ -158,8 +158,7 @@ def stage_env(env: dict, gpu_ids: list | None = None) -> dict[str, str]:
     `dvc repro` would give it. `gpu_ids`: the GPUs Ray gave the task (None outside Ray). A task given none sees
     none: Ray 2.60 no longer hides a node's GPUs from it, and it would use GPUs that other tasks hold. The cluster's
     token (RAY_AUTH_TOKEN) is not passed on: a stage needs no Ray, and model-written code runs inside it."""
-    out = {**os.environ, **env}
-    out.pop("RAY_AUTH_TOKEN", None)
+    out = without_token({**os.environ, **env})
     for name in THREAD_COUNTS:
         if name not in env:
             out.pop(name, None)
@@ -244,12 +243,28 @@ def record_failure(root: Path, stage: Stage, cause: str, env: dict) -> None:
         raise QuantgateError(f"{stage.name}: could not record its failure ({done.stderr.strip()[-500:]})")
 
 
+def repo_root() -> Path:
+    """The DVC repository this command runs in (DVC_ROOT, else the nearest folder up from here holding `.dvc/`), as
+    `dvc repro` finds it; the process moves there, where params.yaml and the stages' relative paths are."""
+    here = Path(os.environ.get("DVC_ROOT") or ".").resolve()
+    for folder in (here, *here.parents):
+        if (folder / ".dvc").is_dir() and (folder / DVC_YAML).is_file():
+            os.chdir(folder)
+            return folder
+    raise QuantgateError(f"{here} is not inside a DVC repository with a dvc.yaml (run it in the quantgate checkout)")
+
+
+def without_token(environ: dict) -> dict:
+    """An environment for what runs outside Ray (stages, dvc): no cluster token; model-written code runs in stages."""
+    return {k: v for k, v in environ.items() if k != "RAY_AUTH_TOKEN"}
+
+
 @contextlib.contextmanager
 def one_run_at_a_time(root: Path):
     """An exclusive lock for the run: two fan-outs (or a fan-out and another repro) in one workspace would commit
     one run's results against the other's checkpoints."""
     path = root / ".dvc" / "tmp" / "quantgate-repro.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(exist_ok=True)  # .dvc/tmp: git-ignored by DVC's own .dvc/.gitignore
     with open(path, "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -272,7 +287,7 @@ def run_chains(root: Path, params, address: str | None, env: dict | None = None,
     if address is not None:
         connect(address, insecure)
     try:
-        upstream = subprocess.run([dvc_bin(), "repro", "calibrate"], cwd=root, env={**os.environ, **env})
+        upstream = subprocess.run([dvc_bin(), "repro", "calibrate"], cwd=root, env=without_token({**os.environ, **env}))
         if upstream.returncode != 0:
             raise QuantgateError("dvc repro calibrate failed: the chains need the reference model and calibration sets")
         stages = chain_stages(params)
@@ -326,17 +341,16 @@ def run_chains(root: Path, params, address: str | None, env: dict | None = None,
                              "would vouch for outputs made from other inputs, so nothing was committed; run "
                              "the command again (quantgate fanout or quantgate repro)")
     committed = [name for name in todo if name in report["ran"] or name in report["failed"]]
-    if not committed:  # `dvc commit` without targets would vouch for every stage
+    if left:
         report["left_to_dvc"] = left
+        log.warning("fanout: Ray lost %s; left for dvc repro to run", ", ".join(left))
+    if not committed:  # `dvc commit` without targets would vouch for every stage
         return report
-    done = subprocess.run([dvc_bin(), "commit", "--force", *committed], cwd=root, env={**os.environ, **env},
+    done = subprocess.run([dvc_bin(), "commit", "--force", *committed], cwd=root, env=without_token({**os.environ, **env}),
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise QuantgateError(f"dvc commit failed: {done.stderr.strip() or done.stdout.strip()}")
     report["committed"] = committed
-    if left:
-        report["left_to_dvc"] = left
-        log.warning("fanout: Ray lost %s; left for dvc repro to run", ", ".join(left))
     return report
 
 

@@ -63,7 +63,15 @@ def _other_cache_or_files(root: Path) -> bool:
 
 def snapshot(root: Path) -> dict[str, list[int]] | None:
     """Size, mtime, ctime and inode of every file DVC would look at for this pipeline, or None where the stamp
-    cannot stand in for DVC (no dvc.lock, an unreadable one, another cache, other DVC files)."""
+    cannot stand in for DVC (no dvc.lock, an unreadable one, another cache, other DVC files, a remote path, a
+    folder it may not read)."""
+    try:
+        return _snapshot(root)
+    except Exception:  # noqa: BLE001 - whatever it cannot read, DVC decides
+        return None
+
+
+def _snapshot(root: Path) -> dict[str, list[int]] | None:
     try:
         lock = yaml.load((root / DVC_LOCK).read_text(encoding="utf-8"),
                          Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
@@ -76,6 +84,8 @@ def snapshot(root: Path) -> dict[str, list[int]] | None:
     objects: set[str] = set()
     for stage in stages.values():
         for entry in [*(stage.get("deps") or []), *(stage.get("outs") or [])]:
+            if "://" in entry["path"]:  # a remote dependency: DVC asks the remote
+                return None
             paths.add(root / entry["path"])  # an absolute path stays absolute
         objects.update(out["md5"] for out in stage.get("outs") or [] if out.get("md5"))
         paths.update(root / name for name in stage.get("params") or {})
@@ -111,7 +121,7 @@ def save(root: Path, before: dict[str, list[int]] | None) -> None:
     checked = time.time_ns()
     if before is None or snapshot(root) != before:
         return
-    if any(len(v) > 1 and v[1] > checked - RACY_SECONDS * 1e9 for v in before.values()):
+    if any(len(v) > 1 and max(v[1], v[2]) > checked - RACY_SECONDS * 1e9 for v in before.values()):
         return
     atomic_write_text(root / STAMP, json.dumps(before))
 

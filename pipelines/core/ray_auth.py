@@ -7,11 +7,9 @@ connects to a cluster that never checks it; so the cluster itself is asked, with
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import secrets
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -108,8 +106,9 @@ def connect(address: str | None, insecure: bool = False) -> None:
         raise RayUnavailable(f"Ray does not import here: {type(err).__name__}: {err}") from err
     local = {}
     if address is None:  # a new cluster of its own (Ray's None joins one an earlier `ray start` left here), no dashboard
-        temp = tempfile.mkdtemp(prefix="qg-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)  # its own session files: short, Ray's socket paths must fit 107 bytes
-        atexit.register(shutil.rmtree, temp, True)
+        # its own session folder, short (Ray's socket paths must fit 107 bytes), kept like Ray's own /tmp/ray: its logs
+        temp = tempfile.mkdtemp(prefix="qg-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        log.info("fanout: a local Ray cluster; its session files and logs: %s", temp)
         local = {"include_dashboard": False, "_temp_dir": temp}
     try:
         ray.init(address=address or "local", log_to_driver=False, logging_level=logging.WARNING, **local)
@@ -122,6 +121,8 @@ def connect(address: str | None, insecure: bool = False) -> None:
         return
     try:
         refuse_open_cluster(ray.get_runtime_context().gcs_address)
-    except BaseException:
+    except BaseException as err:
         ray.shutdown()
+        if address is None and isinstance(err, Exception):  # our own cluster: a Ray that misbehaves, not a threat
+            raise RayUnavailable(f"the local Ray cluster failed its token check: {err}") from err
         raise

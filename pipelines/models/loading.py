@@ -77,6 +77,9 @@ def resolve_device(setting: str) -> str:
         return "cpu"
     import torch
 
+    from pipelines.core.logs import quiet_libraries
+
+    quiet_libraries()  # a command that set up its logging without torch: take back torch's console handlers
     if setting == "cuda" and not torch.cuda.is_available():
         raise QuantgateError("params.yaml: device: cuda, but torch sees no CUDA device (CPU build or no GPU)")
     if setting == "auto":
