@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import measured  # noqa: E402
 from pipelines.core.paths import TIMINGS_DIR  # noqa: E402
 from tests.pipeline_e2e_helpers import repo_copy  # noqa: E402
+from tests.test_fanout import verdicts  # noqa: E402
+from tests.test_repro import routes  # noqa: E402
 
 GOALS = {"fresh_minutes": 8, "noop_seconds": 2, "lookup_wall_seconds": 0.3, "lookup_peak_rss_mib": 80,
          "router_lookup_us": 50}
@@ -85,17 +87,10 @@ def stage_times(repo: Path, since: float) -> dict[str, dict]:
 
 
 def differences(a: Path, b: Path) -> list[str]:
-    """Verdict rows (verdict, items, difference) and routing rows (the variant served) that differ between two runs."""
-    def rows(repo: Path) -> dict:
-        report = json.loads((repo / "results/compare.json").read_text())
-        table = json.loads((repo / "results/routing_table.json").read_text())
-        out = {f"{v} {d}": (r["verdict"], (r.get("paired") or {}).get("items"), (r.get("paired") or {}).get("difference"))
-               for v, row in report["variants"].items() for d, r in row["domains"].items()}
-        out.update({f"route {r['domain']} <= {r['max_context_tokens']}": r["serve"] for r in table["rows"]})
-        return out
-
-    left, right = rows(a), rows(b)
-    return sorted(k for k in set(left) | set(right) if left.get(k) != right.get(k))
+    """Verdict rows (verdict, items, difference, interval) and routing rows that differ between two runs: the same
+    comparison tests/test_fanout.py and tests/test_repro.py make."""
+    left, right = {**verdicts(a), **{r[:2]: r for r in routes(a)}}, {**verdicts(b), **{r[:2]: r for r in routes(b)}}
+    return sorted(" ".join(map(str, k)) for k in set(left) | set(right) if left.get(k) != right.get(k))
 
 
 def print_stages(title: str, stages: dict[str, dict]) -> None:
