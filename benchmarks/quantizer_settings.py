@@ -34,7 +34,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
 from benchmarks import measured  # noqa: E402
 from pipelines.core import logs  # noqa: E402
@@ -42,7 +41,7 @@ from pipelines.core.params import load_params  # noqa: E402
 from pipelines.core.params_sections import VariantParams  # noqa: E402
 from pipelines.evaluation import fidelity
 from pipelines.evaluation.harness import full_text  # noqa: E402
-from pipelines.evaluation.plans import probe_items  # noqa: E402
+from pipelines.evaluation.plans import probe_items, task_yaml  # noqa: E402
 from pipelines.models.loading import load_variant, resolve_device, resolve_model  # noqa: E402
 from pipelines.models.skills import greedy_completions  # noqa: E402
 from pipelines.quantize import quantize_variant  # noqa: E402
@@ -52,11 +51,17 @@ FP16 = Path("models/variants/fp16")
 FIDELITY_BASE = Path("results/baseline/fidelity.safetensors")
 
 
-class TaskLoader(yaml.SafeLoader):
-    """lm-eval task YAML: `!function module.name` tags are read as None (only the plain keys matter here)."""
 
 
-TaskLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+def fewer_samples(built: Path, samples: int, out: Path) -> Path:
+    """A copy of the built calibration sets with each method's file cut to its first `samples` texts."""
+    import shutil
+
+    shutil.copytree(built, out, dirs_exist_ok=True)
+    for path in (out / "by_method").glob("*.jsonl"):
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        path.write_text("".join(lines[:samples]), encoding="utf-8")
+    return out
 
 
 def generated_tasks(params) -> dict[str, dict]:
@@ -65,8 +70,8 @@ def generated_tasks(params) -> dict[str, dict]:
     out = {}
     for name in params.evaluate.domains:
         task_name = params.requests[name].probes.task
-        found = [t for t in (yaml.load(f.read_text(encoding="utf-8"), Loader=TaskLoader)
-                             for f in sorted(Path("eval", name).glob("*.yaml"))) if t and t.get("task") == task_name]
+        found = [t for t in (task_yaml(f) for f in sorted(Path("eval", name).glob("*.yaml")))
+                 if t and t.get("task") == task_name]
         task = found[0] if found else {}
         text, target = task.get("doc_to_text"), task.get("doc_to_target")
         if task.get("output_type") != "generate_until" or not isinstance(text, str) or not isinstance(target, str):
@@ -93,6 +98,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("settings", nargs="+", help="a variant's settings as JSON (params.yaml variants.<name>)")
     parser.add_argument("--label", action="append", default=[], help="the row's name in the docs, once per setting")
+    parser.add_argument("--items", type=int, default=None, help="answer only the first N items of each generating "
+                                                                "domain's pool (default: all of them)")
+    parser.add_argument("--calibration-samples", type=int, default=None, metavar="N",
+                        help="quantize from only the first N texts of each method's calibration set (what a smaller "
+                             "calibration.samples costs, without rebuilding the sets)")
     measured.add_arguments(parser, "quantizer_settings")
     args = parser.parse_args()
     started, rows = time.perf_counter(), []
@@ -101,17 +111,18 @@ def main() -> None:
     params = load_params()
     source, device = resolve_model(params.model), resolve_device(params.device)
     tasks = generated_tasks(params)
-    items = {d: probe_items(d) for d in tasks}
+    items = {d: probe_items(d)[:args.items] for d in tasks}
     targets = {d: [full_text(t["target"], i).replace(" ", "") for i in items[d]] for d, t in tasks.items()}
     base = answers_of(*load_variant(FP16, device), tasks, items)
     record = fidelity.load_base(FIDELITY_BASE)
     domains = list(params.evaluate.domains)
     print("settings | " + " | ".join(f"{d}: KL mean, p99, same top-1" for d in domains) + " | "
           + " | ".join(f"{d}: lost/gained of {len(items[d])}" for d in tasks))
+    built = fewer_samples(BUILT, args.calibration_samples, Path(tempfile.mkdtemp())) if args.calibration_samples else BUILT
     for n, arg in enumerate(args.settings):
         settings = VariantParams(**json.loads(arg))
         with tempfile.TemporaryDirectory() as tmp:
-            manifest, _ = quantize_variant("trial", settings, source, BUILT, device, Path(tmp))
+            manifest, timing = quantize_variant("trial", settings, source, built, device, Path(tmp))
             if manifest["status"] != "ok":
                 print(f"{arg} | failed: {manifest.get('error')}", flush=True)
                 continue
@@ -131,6 +142,8 @@ def main() -> None:
             pairs = list(zip(base[d], mine[d], targets[d]))
             lost_gained[d] = [sum(b == t != m for b, m, t in pairs), sum(m == t != b for b, m, t in pairs)]
         rows.append({"label": args.label[n] if n < len(args.label) else None, "settings": json.loads(arg),
+                     "quantize_seconds": timing.get("quantize_seconds"),
+                     "calibration_samples": (manifest.get("calibration") or {}).get("samples"),
                      "fidelity": {d: {"kl_mean": fid[d]["kl"]["mean"], "kl_p99": fid[d]["kl"]["p99"],
                                       "same_top1": fid[d]["same_top1"]} for d in domains},
                      "lost_gained": lost_gained})

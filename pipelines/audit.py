@@ -21,6 +21,7 @@ def main(variant: list[str] | None = None, seed: int | None = None) -> int:
     from pipelines.core.params import load_params
     from pipelines.core.paths import AUDIT_RESULT, BASELINE
     from pipelines.evaluation.remeasure import audit, describe
+    from pipelines.models.gguf import stale_model
     from pipelines.models.loading import resolve_device
 
     params = load_params()
@@ -31,7 +32,7 @@ def main(variant: list[str] | None = None, seed: int | None = None) -> int:
     names = [n for n in names if not variant or n in variant or n == BASELINE]  # fp16's records are evidence too
     seed = int.from_bytes(os.urandom(8), "big") if seed is None else seed
     print(f"quantgate audit: seed {seed} (repeat this sample with --seed {seed})", flush=True)
-    if changes := workspace_changes():  # the checkpoints and records must be the ones dvc.lock records
+    if changes := workspace_changes() + stale_model():  # the checkpoints and records must be the ones dvc.lock records
         result = {"seed": seed, "verdict": "refused", "problems": [], "changes": changes}
         write_json(AUDIT_RESULT, result)
         print("quantgate audit: REFUSED (exit 2): the workspace differs from dvc.lock, so what would be audited is not "

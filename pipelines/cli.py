@@ -37,14 +37,14 @@ VERBS = {  # verb -> entry function; the stages are also dvc.yaml stages of the 
     "fetch": "pipelines.fetch:main",
     "ui": "pipelines.store.tracking:ui",
     "doctor": "pipelines.doctor:main",
+    "profile": "pipelines.profile:main",
 }
 FAILED_BECAUSE = "record this stage as failed with CAUSE, without running it (quantgate fanout uses it)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="quantgate",
-        description="Validate quantized LLM checkpoints before release. `dvc repro` runs the stages in order.")
+    parser = argparse.ArgumentParser(prog="quantgate", description="Validate quantized LLM checkpoints before release. "
+                                                                   "`dvc repro` runs the stages in order.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug messages on the console")
     sub = parser.add_subparsers(dest="command", required=True, metavar="<stage>")
 
@@ -106,11 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="NAME", help="registered model (default: quantgate-<model> from params.yaml)")
     p.add_argument("--dest", metavar="DIR", help="where to put it (default: models/fetched/<NAME>-v<version>); "
                                                  "an existing non-empty DIR is only accepted when it holds those bytes")
-    verb("ui", "start the MLflow UI on 127.0.0.1 over the local tracking store").add_argument("--port", type=int,
-                                                                                              default=5000)
+    verb("ui", "start the MLflow UI on 127.0.0.1 over the local tracking store").add_argument("--port", type=int, default=5000)
     p = verb("doctor", "check what the configured run needs here (sandbox, torch and devices, quantization backends, "
                        "MLflow, disk, model, dvc); exit 1 when it could not give a verdict")
     p.add_argument("--params", default="params.yaml", metavar="FILE", help="the params file to check (default: %(default)s)")
+    verb("profile", "another model's run in workspaces/NAME (profiles/NAME.yaml); no NAME: list").add_argument("name", nargs="?")
     return parser
 
 

@@ -233,6 +233,7 @@ def main(variant: list[str] | None = None, promote: bool = False, audit: bool = 
         from pipelines.core.paths import COMPARE_REPORT, MLFLOW_RUN, RESULTS, ROUTING_TABLE, SHADOW_REPORT, VARIANTS_DIR
         from pipelines.evaluation.plans import probe_plans
         from pipelines.judging.comparison import compare_all
+        from pipelines.models.gguf import stale_model
 
         params = load_params()
         policy_for = params.compare.policy_for
@@ -241,7 +242,7 @@ def main(variant: list[str] | None = None, promote: bool = False, audit: bool = 
             raise QuantgateError(f"--variant {unknown[0]!r} is neither a variant nor a candidate in params.yaml")
         if BASELINE in (variant or []):
             raise QuantgateError(f"--variant {BASELINE}: fp16 is the baseline every variant is judged against")
-        changes = workspace_changes()
+        changes = workspace_changes() + stale_model()  # a GGUF model lies outside the repository: DVC cannot hash it
         report = read_json(COMPARE_REPORT) if COMPARE_REPORT.is_file() else None
         table = read_json(ROUTING_TABLE) if ROUTING_TABLE.is_file() else None
         if not changes:  # recompute the comparison from the per-item records: the same function compare ran

@@ -27,8 +27,8 @@ from pipelines.core.io import read_json, read_jsonl, sha256_file
 from pipelines.core.params import DERIVED_FROM_REQUESTS, Params
 from pipelines.core.paths import (BASELINE, BUILT_DIR, COMPARE_REPORT, COMPARE_TABLE, COVERAGE_DIR, DVC_LOCK, EVAL_DIR,
                                   EVAL_RESULTS, KSERVE_DIR, MANIFEST, MEMORY_RESULTS, MEMORY_SUMMARY, MLARTIFACTS,
-                                  PARAMS_FILE, PLOTS_DIR, QUANTIZE_RESULTS, RESULTS, ROLLOUT_PLAN, ROUTING_TABLE,
-                                  SHADOW_METRICS, SHADOW_REPORT, VARIANTS_DIR)
+                                  PARAMS_FILE, PLOTS_DIR, QUANTIZE_RESULTS, REFERENCE_REPORT, RESULTS, ROLLOUT_PLAN,
+                                  ROUTING_TABLE, SHADOW_METRICS, SHADOW_REPORT, VARIANTS_DIR)
 from pipelines.judging.comparison import flat_rows
 from pipelines.judging.verdict import shadow_failures
 from pipelines.store.client import experiment_id, recording_lock, served, using_store
@@ -45,6 +45,16 @@ COMPLETE_TAG = "quantgate.complete"  # set on the parent run once every child is
 def find_recorded(client: MlflowClient, exp_id: str, digest: str) -> list:
     """Parent runs already recorded for this digest."""
     return client.search_runs([exp_id], f"tags.`{KIND_TAG}` = 'pipeline' and tags.`{DIGEST_TAG}` = '{digest}'")
+
+
+def model_source_tags(root: Path) -> dict[str, str]:
+    """A model built from a file (a GGUF) names it: its sha256, and what the unquantized baseline is."""
+    report = read_json(root / REFERENCE_REPORT) if (root / REFERENCE_REPORT).is_file() else {}
+    source = report.get("gguf") if isinstance(report, dict) else None
+    if not isinstance(source, dict):
+        return {}
+    return {"model.sha256": str(source.get("sha256")), "model.file": str(source.get("file")),
+            "model.baseline": str(report.get("baseline_note"))}
 
 
 def _dataset_inputs(paths: list[tuple[str, Path]], context: str) -> None:
@@ -123,18 +133,22 @@ def _record_locked(client: MlflowClient, params: Params, digest: str, commit: di
 
     names = [BASELINE, *report["variants"]]
     children = {}
-    with mlflow.start_run(experiment_id=exp_id, run_name=f"pipeline {digest[:8]}",
+    # another model's runs (a profile's: bash scripts/run.sh --model NAME) sit in the same experiment, named by it
+    label = "" if params.model == "reference" else " · " + Path(params.model.rstrip("/")).name.removesuffix(".gguf")
+    with mlflow.start_run(experiment_id=exp_id, run_name=f"pipeline {digest[:8]}{label}",
                           tags={KIND_TAG: "pipeline", DIGEST_TAG: digest, FORMAT_TAG: RECORD_FORMAT,
                                 "git.commit": str(commit.get("commit")),
                                 "git.dirty": str(commit.get("dirty")), "model": params.model,
-                                **parent_verdict_tags(report)}) as parent:
+                                **({"profile": commit["profile"]} if commit.get("profile") else {}),
+                                **model_source_tags(root), **parent_verdict_tags(report)}) as parent:
         mlflow.log_params(flatten("", params.model_dump(mode="json", exclude=DERIVED_FROM_REQUESTS), {}))
         mlflow.log_metrics(parent_metrics(report))
         mlflow.log_table(pd.DataFrame(flat_rows(report)), "tables/compare.json")
         mlflow.log_table(pd.DataFrame(routing_rows(table)), "tables/routing_table.json")
         built, coverage, classifier = root / BUILT_DIR, root / COVERAGE_DIR, root / COVERAGE_DIR / "classifier.json"
         _dataset_inputs([(f"calibration-{d}", built / f"{d}.jsonl") for d in params.calibration.domains], "calibration")
-        _dataset_inputs([(f"probes-{d}", root / EVAL_DIR / d / "items.jsonl") for d in report["domains"]], "evaluation")
+        _dataset_inputs([(f"probes-{d}", root / EVAL_DIR / d / params.evaluate.probes[d].items)
+                         for d in report["domains"]], "evaluation")
         _log_files([root / COMPARE_REPORT, root / COMPARE_TABLE, root / ROUTING_TABLE,
                     root / RESULTS / "routing_table.yaml", root / MEMORY_SUMMARY,
                     coverage / "coverage.json", classifier, root / DVC_LOCK, root / PARAMS_FILE], "results")
@@ -229,8 +243,9 @@ def main() -> int:
     from pipelines.core.io import write_json
     from pipelines.core.lineage import git_commit, results_digest
     from pipelines.core.params import load_params
-    from pipelines.core.paths import MLFLOW_RUN
+    from pipelines.core.paths import MLFLOW_RUN, PROFILE_MARKER
     from pipelines.core.timing import library_call
+    from pipelines.models.gguf import stale_model
     from pipelines.store.tracking import artifact_root, tracking_uri
 
     log = logging.getLogger(__name__)
@@ -238,9 +253,14 @@ def main() -> int:
     digest = results_digest()
     if digest is None:
         raise QuantgateError("dvc.lock not found: record runs inside `dvc repro`, after the stages it records")
+    if stale := stale_model():  # never register versions of a model whose file is no longer the one judged
+        raise QuantgateError(f"not recorded: {stale[0]}")
     uri = tracking_uri()
+    commit = git_commit()
+    if Path(PROFILE_MARKER).is_file():  # a profile's workspace: its own git history says nothing; the checkout does
+        commit = {**(read_json(PROFILE_MARKER).get("synced_from") or {}), "profile": read_json(PROFILE_MARKER)["profile"]}
     with logs.library_output("mlflow"), library_call("mlflow"):
-        summary = record_pipeline(params, uri, digest, git_commit(), artifact_root=artifact_root())
+        summary = record_pipeline(params, uri, digest, commit, artifact_root=artifact_root())
     write_json(MLFLOW_RUN, {**summary, "tracking_uri": uri, "results_digest": digest,
                             "registered_model": params.registered_model_name()})
     if summary["status"] == "already recorded":

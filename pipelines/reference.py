@@ -137,13 +137,19 @@ def ship(p: ReferenceParams, shipped: Path = SHIPPED_DIR) -> dict:
 
 
 def main() -> int:
-    """Stage `reference`: train the embedded reference model (or record that params.yaml names another model)."""
+    """Stage `reference`: the embedded reference model (shipped or trained), a GGUF file dequantized, or a record that
+    params.yaml names a checkpoint folder or hub id (read where it is)."""
     from pipelines.core.params import load_params
     from pipelines.core.paths import REFERENCE_DIR, REFERENCE_REPORT
     from pipelines.models.loading import resolve_model
 
     params = load_params()
     source = resolve_model(params.model)
+    if source.kind == "gguf":  # a GGUF file: checked, then dequantized once into models/reference
+        from pipelines.models.gguf import build_reference
+
+        build_reference(source.origin, REFERENCE_DIR, REFERENCE_REPORT, params.quantize.timeout_seconds)
+        return 0
     if not source.is_reference:
         reason = f"params.yaml names model {source.location!r} ({source.kind}); the reference model is not built"
         with atomic_dir(REFERENCE_DIR) as tmp:

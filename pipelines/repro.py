@@ -72,13 +72,22 @@ def main(sequential: bool = False) -> int:
     """`quantgate repro`: fan the chains out locally when it helps, then `dvc repro` for the rest; its exit code."""
     from pipelines.core import lock_stamp
 
-    from pipelines.chains.tasks import one_run_at_a_time, repo_root
+    from pipelines.chains.tasks import dvc_bin, one_run_at_a_time, repo_root, without_token
+    from pipelines.models.gguf import stale_model
 
     root = repo_root()
-    if lock_stamp.is_clean(root):  # no file DVC looks at moved since it last found the pipeline clean
+    model = stale_model(root)  # a GGUF model's file, outside the repository: DVC does not see it change
+    if not model and lock_stamp.is_clean(root):  # no file DVC looks at moved since it last found the pipeline clean
         print(UP_TO_DATE)
         return 0
     with one_run_at_a_time(root):
+        if model:
+            log.warning("repro: %s", model[0])
+            lock_stamp.forget(root)
+            code = subprocess.run([dvc_bin(), "repro", "--force", "reference"], cwd=root,
+                                  env=without_token(dict(os.environ))).returncode
+            if code:
+                return code
         return _run(root, sequential)
 
 

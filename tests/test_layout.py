@@ -104,6 +104,7 @@ VERB_LINES = [
     ["record"], ["fanout", "--address", "auto", "--report", "r.json"], ["repro", "--sequential"], ["gate", "--variant", "int8", "--promote", "--audit", "--audit-seed", "5"],
     ["audit", "--variant", "int8", "--seed", "3"],
     ["fetch", "production", "--model", "m", "--dest", "d"], ["ui", "--port", "5001"], ["doctor", "--params", "p.yaml"],
+    ["profile", "smollm2"],
 ]
 
 

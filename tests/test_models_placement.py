@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params import load_params
-from pipelines.core.params_sections import GpusParams
+from pipelines.core.params_gpus import GpusParams
 from pipelines.models import loading as models
 
 GiB = 2**30

@@ -20,6 +20,32 @@ def test_committed_items_equal_the_generator(domain):
     assert len(ids) >= 200 and len(set(ids)) == len(ids)
 
 
+def test_committed_math_choice_items_equal_their_generator_with_one_right_answer_among_four():
+    """The real-model profile's math pool: four distinct choices, the gold one the expression's value (exact
+    arithmetic, fractions reduced), every kind of the math generator, families enough for the interval."""
+    import re
+    from fractions import Fraction
+
+    committed = [json.loads(line) for line in Path("eval/math/choice.jsonl").read_text().splitlines()]
+    assert committed == probes.math_choice_probes() and len(committed) == 1000
+    assert len({i["id"] for i in committed}) == 1000 and len({i["question"] for i in committed}) == 1000
+    for item in committed:
+        assert len(item["choices"]) == 4 and len(set(item["choices"])) == 4 and 0 <= item["gold"] < 4
+    ops = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "×": lambda a, b: a * b, "÷": lambda a, b: a / b}
+    checked = 0
+    for item in committed:
+        m = re.fullmatch(r"(\d+(?:/\d+)?)([-+×÷])(\d+(?:/\d+)?)", item["question"])
+        if m and item["kind"] in ("add", "sub", "mul", "div", "fraction"):
+            value = ops[m[2]](Fraction(m[1]), Fraction(m[3]))
+            assert Fraction(item["choices"][item["gold"]].strip()) == value, item
+            checked += 1
+    assert checked > 500
+    assert {i["kind"] for i in committed} >= {"add", "sub", "mul", "div", "power", "root", "fraction", "latex_frac"}
+    assert len({i["family"] for i in committed}) >= 50
+    golds = [i["gold"] for i in committed]
+    assert all(golds.count(k) > 200 for k in range(4))  # no position a guess could favour
+
+
 def test_math_additions_are_held_out_from_reference_training():
     from pipelines.text import synthetic
 
@@ -39,7 +65,8 @@ def test_task_yamls_load_in_lm_eval():
     from lm_eval.tasks import TaskManager
 
     tm = TaskManager(include_path="eval", include_defaults=False)
-    assert {"quantgate_math", "quantgate_chat", "quantgate_code_comment", "quantgate_code"} <= set(tm.all_tasks)
+    assert {"quantgate_math", "quantgate_chat", "quantgate_code_comment", "quantgate_code",
+            "quantgate_math_choice"} <= set(tm.all_tasks)
 
 
 def test_code_items_pass_their_own_tests_with_the_canonical_body():

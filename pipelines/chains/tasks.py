@@ -59,23 +59,27 @@ def chain_stages(params) -> dict[str, Stage]:
     quantize_t, memory_t = params.quantize.timeout_seconds + margin, params.memory.timeout_seconds + margin
     evaluate_t = params.evaluate.timeout_seconds + margin
     stages: dict[str, Stage] = {}
-    for name in params.variants:
+    # fp16's quantize, then the baseline, ahead of every other quantize and memory stage: every evaluate waits for the
+    # baseline, the longest stage of a real model's run (fp16 answers every look). Best effort: Ray keeps submission
+    # order only among tasks of the same resources.
+    for name in sorted(params.variants, key=lambda n: n != BASELINE):
         stages[f"quantize@{name}"] = Stage(f"quantize@{name}", ["quantgate", "quantize", name], name, "quantize",
                                            quantize_t)
+        if name == BASELINE:
+            stages["baseline"] = Stage("baseline", ["quantgate", "baseline"], BASELINE, "baseline", evaluate_t,
+                                       [f"quantize@{BASELINE}"])
     for name in params.candidates:
         stages[f"admit@{name}"] = Stage(f"admit@{name}", ["quantgate", "admit", name], name, "admit", quantize_t)
     made = {name: f"quantize@{name}" for name in params.variants} | {name: f"admit@{name}" for name in params.candidates}
     suffix = {name: "" for name in params.variants} | {name: "-candidate" for name in params.candidates}  # dvc.yaml's
-    # Submitted ahead of the memory stages, because every evaluate waits for it: best effort (Ray keeps
-    # submission order only among tasks of the same resources), and neutral on the default's stage times.
-    stages["baseline"] = Stage("baseline", ["quantgate", "baseline"], BASELINE, "baseline", evaluate_t,
-                               [made[BASELINE]])
-    for name, maker in made.items():
-        stage = f"memory{suffix[name]}@{name}"
-        stages[stage] = Stage(stage, ["quantgate", "memory", name], name, "memory", memory_t, [maker])
+    # the evaluates before the memory stages: after the baseline they are the longest path to compare; memory fills
+    # the cores they leave (measured on the real-model profile: docs/real-model.md, "Where the time goes")
     for name, maker in made.items():
         stage = f"evaluate{suffix[name]}@{name}"
         stages[stage] = Stage(stage, ["quantgate", "evaluate", name], name, "evaluate", evaluate_t, [maker, "baseline"])
+    for name, maker in made.items():
+        stage = f"memory{suffix[name]}@{name}"
+        stages[stage] = Stage(stage, ["quantgate", "memory", name], name, "memory", memory_t, [maker])
     return stages
 
 

@@ -66,7 +66,7 @@ def run_checks(folder: str | Path, base_dir: str, copy_to: Path | None) -> dict:
     c = Candidate(Path(folder), base_dir, copy_to)
     try:
         if not c.folder.is_dir():
-            return {"admitted": False, "reasons": [f"{c.folder}: not a directory"], "files": {}, "bytes_read": 0}
+            return {"admitted": False, "reasons": [not_a_folder(c.folder)], "files": {}, "bytes_read": 0}
         run(c, PHASE_1 + PHASE_2)
         reasons = c.reasons
     except OSError as err:  # unreadable or vanished: this candidate's failure
@@ -76,6 +76,20 @@ def run_checks(folder: str | Path, base_dir: str, copy_to: Path | None) -> dict:
     sizes = {**c.sizes, **{rel: shard.size for rel, shard in c.shards.items()}}
     return {"admitted": not reasons, "reasons": reasons, "files": c.hashes, **c.quant, **c.details,
             "bytes_read": sum(sizes.get(rel, 0) for rel in c.hashes)}
+
+
+def not_a_folder(path: Path) -> str:
+    """Why a candidate that is no folder is refused; a GGUF file is named as one (pipelines/models/gguf.py)."""
+    from pipelines.models.gguf import MAGIC
+
+    if path.is_file():
+        with path.open("rb") as fh:
+            if fh.read(len(MAGIC)) == MAGIC:
+                return (f"{path}: a GGUF file (llama.cpp's format), not a checkpoint folder: a GGUF is taken as the model "
+                        "under test (model: FILE.gguf in params.yaml; the reference stage dequantizes it), not as a "
+                        "candidate: llama.cpp's kernels quantize activations too, so its dequantized weights are not the "
+                        "model llama.cpp serves")
+    return f"{path}: not a directory"
 
 
 def validate(folder: str | Path, base_dir: str) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from pipelines.core.paths import DVC_LOCK
+from pipelines.core.paths import DVC_LOCK, PROFILE_MARKER
 
 JUDGING_STAGES = ("compare", "shadow", "route", "record")  # stages that read the pipeline's results, not make them
 RECORDING_STAGES = ("record",)  # the stage that writes results elsewhere (MLflow)
@@ -92,6 +92,7 @@ def workspace_changes(root: Path = Path(".")) -> list[str]:
               for s in stages
               if Path(s.wdir).resolve() != repo_root.resolve()]
     lines += _declared_against_locked(stages, Path(root) / DVC_LOCK)
+    lines += foreign_code(Path(root))
     for stage, changes in status.items():
         if not changes or all(not change for change in changes):
             lines.append(f"{stage}: changed")
@@ -104,6 +105,17 @@ def workspace_changes(root: Path = Path(".")) -> list[str]:
                     detail = ", ".join(f"{k} {v}" for k, v in state.items()) if isinstance(state, dict) else state
                     lines.append(f"{stage}: {kind}: {path} {detail}".rstrip())
     return lines
+
+
+def foreign_code(root: Path) -> list[str]:
+    """In a profile's workspace (`quantgate profile`, which writes PROFILE_MARKER): the pipelines/ that runs must be the
+    workspace's copy, the one dvc.lock hashed. An editable install points at the checkout the workspace came from,
+    which may have moved on since; `bash scripts/run.sh --model NAME` puts the workspace first on PYTHONPATH."""
+    running = Path(__file__).resolve().parents[2]
+    if not (root / PROFILE_MARKER).is_file() or running == root.resolve():
+        return []
+    return [f"the code that runs is {running}/pipelines, not this workspace's copy (which dvc.lock hashed): run here "
+            f"with PYTHONPATH={root.resolve()} (bash scripts/run.sh --model NAME does)"]
 
 
 def _declared_against_locked(stages: list, lock_path: Path) -> list[str]:
@@ -137,6 +149,17 @@ def _declared_against_locked(stages: list, lock_path: Path) -> list[str]:
                 lines.append(f"{stage.addressing}: dvc.yaml's {kind} are not the ones dvc.lock recorded "
                              f"({', '.join(sorted(declared[kind] ^ recorded[kind]))})")
     return lines
+
+
+def checkout_files(root: Path = Path(".")) -> list[str]:
+    """What a clean clone plus the edits holds: tracked files, and untracked ones git does not ignore (relative)."""
+    out = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=root, capture_output=True,
+                         text=True)
+    if out.returncode != 0:
+        from pipelines.core.errors import QuantgateError
+
+        raise QuantgateError(f"{Path(root).resolve()}: not a git checkout ({out.stderr.strip()})")
+    return sorted(set(filter(None, out.stdout.split("\0"))))
 
 
 def git_commit(cwd: Path = Path(".")) -> dict:

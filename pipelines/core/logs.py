@@ -42,7 +42,7 @@ def apply_library_env() -> None:
 # Commands whose own process imports no torch (their models load in isolated children, or never): importing it
 # only to take back its console handlers would cost each of them 2 s (a no-op `quantgate repro` included).
 NO_TORCH_COMMANDS = {"route lookup", "repro", "fanout", "quantize", "memory", "memory-report", "baseline", "evaluate",
-                     "compare", "route"}
+                     "compare", "route", "profile"}
 
 
 def setup(log_file: Path = LOG_FILE, verbose: bool = False, libraries: bool = True) -> None:

@@ -18,9 +18,10 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params_requests import (DEFAULT_POLICY, REQUEST_NAME, RESERVED_REQUEST_NAMES, RequestParams,
                                             Section, shipped_requests)
+from pipelines.core.params_gpus import GpusParams
 from pipelines.core.params_sections import (DEFAULT_VARIANTS, CalibrationParams, CandidateParams, CompareParams,
-                                            CoverageParams, EvaluateParams, FanoutParams, GpusParams, MemoryParams,
-                                            MlflowParams, QuantizeParams, ReferenceParams, RouteParams, VariantParams)
+                                            CoverageParams, EvaluateParams, FanoutParams, MemoryParams, MlflowParams,
+                                            QuantizeParams, ReferenceParams, RouteParams, VariantParams)
 from pipelines.core.paths import PARAMS_FILE
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")

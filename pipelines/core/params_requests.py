@@ -69,10 +69,12 @@ class ClassifyParams(Section):
 
 
 class ProbeParams(Section):
-    """A request type's probes: the lm-eval task in eval/<name>/ over eval/<name>/items.jsonl, the per-item metric
-    that says correct, the fields every item needs, and the item as plain text (a Jinja template) for fidelity."""
+    """A request type's probes: the lm-eval task in eval/<name>/ over its pool eval/<name>/<items> (items.jsonl unless a
+    model needs another probe set: the real-model profile's math), the per-item metric that says correct, the fields
+    every item needs, and the item as plain text (a Jinja template) for fidelity."""
 
     task: str
+    items: str = "items.jsonl"  # the pool's file in eval/<name>/ (the task YAML's data_files.test must name it)
     metric: str = "exact_match"
     fields: list[str] = ["id", "prompt", "answer"]
     text: str = "{{prompt}} {{answer}}"
@@ -82,6 +84,8 @@ class ProbeParams(Section):
     def _check(self):
         if "id" not in self.fields:
             raise ValueError("fields must include 'id' (items are paired across variants by it)")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*\.jsonl", self.items):
+            raise ValueError(f"items {self.items!r}: a .jsonl file name in the request type's eval/<name>/ folder")
         if not self.task.startswith("quantgate_") or not TASK_NAME.match(self.task):
             raise ValueError(f"probe task {self.task!r}: name it quantgate_<something> (its YAML in eval/<type>/); "
                              "lm-eval's own tasks go under `tasks`")

@@ -1,12 +1,12 @@
 """params.yaml's per-stage sections: the reference model, calibration and coverage, variants and candidates,
-quantize, memory, gpus, evaluate, compare, route, fanout, mlflow. Their per-request-type parts (sources, classifier
+quantize, memory, evaluate, compare, route, fanout, mlflow (gpus: params_gpus). Their per-request-type parts (sources, classifier
 rules, probes, tasks, policies) are params_requests' models, filled from `requests` by params.Params.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -131,6 +131,7 @@ class VariantParams(Section):
     duo_scaling: bool | None = None  # awq (autoawq): scales from activations and weights (None: autoawq's True)
     dtype: Literal["float16", "bfloat16", "float32"] = "float16"  # weights left unquantized
     backend: Literal["auto", "autoawq", "gptqmodel"] = "auto"
+    clip_tokens: int | None = Field(None, ge=0)  # awq (autoawq): tokens its clipping search samples (None: 512; 0: none)
 
     @model_validator(mode="after")
     def _check(self):
@@ -144,6 +145,8 @@ class VariantParams(Section):
             raise ValueError(f"backend 'autoawq' applies to awq, not {self.method}")
         if self.duo_scaling is not None and self.method != "awq":
             raise ValueError(f"duo_scaling applies to awq, not {self.method}")
+        if self.clip_tokens is not None and (self.method != "awq" or self.backend == "gptqmodel"):
+            raise ValueError("clip_tokens applies to awq with backend autoawq (or auto)")
         if self.duo_scaling is False and self.backend == "gptqmodel":
             raise ValueError("duo_scaling: false needs backend autoawq (or auto): GPTQModel 7.6's AWQ always scales by "
                              "activations and weights")
@@ -154,6 +157,7 @@ class QuantizeParams(Section):
     """Settings of every quantize stage (a variant's own settings are under `variants`)."""
 
     timeout_seconds: int = Field(43200, gt=0)  # the quantizing process is killed (the variant fails) after this
+    threads: int | None = Field(None, ge=1)  # torch threads of each quantizing process (None: torch's default)
 
 
 class CandidateParams(Section):
@@ -204,70 +208,6 @@ class MemoryParams(Section):
         return self
 
 
-SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)\s*$")
-SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
-
-def parse_gpu_share(value: Any) -> int | float:
-    """One GPU's share: bytes (an int, or a string like '70GiB' / '80GB'), or a fraction (0, 1] of its memory.
-
-    Returns int bytes or a float fraction; anything else raises ValueError naming the value."""
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a size")
-    if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"{value} bytes: a GPU's share must be positive")
-        return value
-    if isinstance(value, float):
-        if not 0 < value <= 1:
-            raise ValueError(f"{value}: a fraction of a GPU's memory must be in (0, 1]")
-        return value
-    if isinstance(value, str):
-        m = SIZE.match(value)
-        if m:
-            n = int(float(m.group(1)) * SIZE_UNITS[m.group(2)])
-            if n > 0:
-                return n
-        raise ValueError(f"{value!r}: write a size like '70GiB', '80GB' or '512MiB' (or bytes, or a fraction 0-1)")
-    raise ValueError(f"{value!r} is not a size (bytes, '70GiB', or a fraction of the GPU's memory)")
-
-
-class GpusParams(Section):
-    """How much of each visible GPU the fp16 and int8 variants may use when they load across GPUs.
-
-    `max_memory`: null (every visible GPU, accelerate's own free-memory figure), one share for every visible GPU
-    ('70GiB', 0.9, bytes), or a mapping GPU index -> share ({0: 70GiB, 1: 70GiB}; GPUs left out get nothing).
-    Setting it on a one-GPU machine caps that GPU too. GPTQ and AWQ keep their backends' own placement."""
-
-    max_memory: int | float | str | dict[int, int | float | str] | None = None
-
-    @field_validator("max_memory")
-    @classmethod
-    def _shares(cls, value):
-        if isinstance(value, dict):
-            if not value:
-                raise ValueError("an empty mapping gives the model no GPU; leave max_memory null for every GPU")
-            for index, share in value.items():
-                if index < 0:
-                    raise ValueError(f"GPU index {index}: indices start at 0")
-                try:
-                    parse_gpu_share(share)
-                except ValueError as err:
-                    raise ValueError(f"GPU {index}: {err}") from None
-        elif value is not None:
-            parse_gpu_share(value)
-        return value
-
-    def shares(self) -> dict[int | str, int | float] | None:
-        """The setting parsed: {gpu index: bytes or fraction}, {"all": share}, or None."""
-        if self.max_memory is None:
-            return None
-        if isinstance(self.max_memory, dict):
-            return {i: parse_gpu_share(v) for i, v in sorted(self.max_memory.items())}
-        return {"all": parse_gpu_share(self.max_memory)}
-
-
 class EvaluateParams(Section):
     """Probes through lm-eval and token-level fidelity against fp16."""
 
@@ -286,6 +226,7 @@ class EvaluateParams(Section):
     probes: dict[str, ProbeParams] = Field(default_factory=lambda: dict(DEFAULT_PROBES))
     tasks: dict[str, list[TaskParams]] = {}
     timeout_seconds: int = Field(21600, gt=0)  # a model's evaluating process is killed after this (baseline: fatal)
+    threads: int | None = Field(None, ge=1)  # torch threads of each evaluating process (None: torch's default)
 
     @field_validator("domains")
     @classmethod

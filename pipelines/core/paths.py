@@ -56,6 +56,11 @@ GATE_RESULT = RESULTS / "gate.json"
 GATE_REPORT = RESULTS / "report.md"
 AUDIT_RESULT = RESULTS / "audit.json"  # quantgate audit: the sample, its seed, what disagreed
 
+# other models' runs in workspaces of their own (`quantgate profile NAME`, bash scripts/run.sh --model NAME)
+PROFILES_DIR = Path("profiles")  # profiles/<name>.yaml: the settings merged over params.yaml, the packages it installs
+WORKSPACES_DIR = Path("workspaces")  # workspaces/<name>/: the profile's copy of this checkout, its own results
+PROFILE_MARKER = ".quantgate-profile.json"  # in a workspace: its profile, and the checkout whose MLflow store it uses
+
 # the default MLflow store (no MLFLOW_TRACKING_URI): beside dvc.yaml, at the repository root
 MLFLOW_DB = "mlflow.db"
 MLARTIFACTS = "mlartifacts"

@@ -40,7 +40,9 @@ def model_check(params) -> Check:
         source = resolve_model(params.model)
     except QuantgateError as err:
         return Check("model", FAIL, str(err), "model: in params.yaml: reference, a checkpoint folder with config.json, "
-                                              "or a hub id org/name")
+                                              "a .gguf file (or pkg:DIST/FILE.gguf), or a hub id org/name")
+    if source.kind == "gguf":
+        return _gguf_check(source.origin)
     if source.is_reference:
         shipped = SHIPPED_REFERENCE_DIR
         meta = shipped / "recipe.json"
@@ -64,6 +66,24 @@ def model_check(params) -> Check:
         return Check("model", OK, f"{source.location}: hub id, in the hub cache ({_describe_config(cached)})")
     return Check("model", OK, f"{source.location}: hub id, downloaded on first use"
                               + (f" ({_describe_config(cached)})" if cached else " (reaching the hub is not checked here)"))
+
+
+def _gguf_check(spec: str) -> Check:
+    """A GGUF model: the file's header (magic, tensor table within the file, an architecture transformers loads) and,
+    for a packaged file, its bytes against the package's RECORD; what the reference stage will make of it."""
+    from pipelines.models import gguf
+
+    try:
+        g = gguf.find(spec)
+        info = gguf.check(g)
+    except QuantgateError as err:
+        return Check("model", FAIL, str(err), "point model: at a complete GGUF file of an architecture transformers "
+                                              "loads (bash scripts/setup.sh --profile smollm2 installs the shipped one)")
+    types = ", ".join(f"{n} {k}" for k, n in info["tensor_types"].items())
+    return Check("model", OK, f"{g.path}: GGUF {info['architecture']} ({info['name']}"
+                              f"{', ' + g.package if g.package else ''}), {info['parameters']:,} parameters ({types}); "
+                              f"the reference stage dequantizes it to {gguf.STORED_DTYPE} in {REFERENCE_DIR} (the "
+                              "baseline keeps the file's quantization grid)")
 
 
 def _describe_config(path: Path) -> str:
@@ -146,6 +166,14 @@ def _dvc_cache_dir() -> Path:
 def _model_counts(params, source) -> tuple[int, int] | None:
     """(linear, rest) parameters of the model the run quantizes: the reference in the shape params.yaml gives when
     that differs from the shipped recipe (the reference stage then trains it here)."""
+    if source.kind == "gguf":  # from the file's tensor table; models/reference may not be built yet
+        from pipelines.models import gguf
+
+        try:
+            info = gguf.inspect(gguf.find(source.origin).path)
+        except QuantgateError:
+            return None
+        return info["linear_parameters"], info["parameters"] - info["linear_parameters"]
     folder = SHIPPED_REFERENCE_DIR if source.is_reference else Path(source.location)
     config_path = folder / "config.json" if source.kind != "hub" else _hub_cached(source.location, "config.json")
     counts = None
@@ -178,6 +206,8 @@ def disk_check(params) -> Check:
                                    "config.json is not on this machine)")
     linear, rest = counts
     parts = {name: variant_bytes(v, linear, rest) for name, v in params.variants.items()}
+    if source.kind == "gguf":  # dequantized to float16 by the reference stage
+        parts[str(REFERENCE_DIR)] = (linear + rest) * 2
     if source.is_reference:  # the shipped files copied, or a model of the same float16 shape trained
         folder = SHIPPED_REFERENCE_DIR
         shipped = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if folder.is_dir() else 0

@@ -173,7 +173,7 @@ def evaluate_looks(model, tokenizer, plans: dict[str, dict], batch_size: int, al
     configs = task_configs(plans)
     probes = {d: plan["probe"] for d, plan in plans.items() if "probe" in plan}
     positions = {d: {standard_tasks.item_id(plans[d]["task"], n): n for n in range(plans[d]["pool"])} if d in configs
-                 else {str(item.get("id")): n for n, item in enumerate(probe_items(d))} for d in plans}
+                 else {str(item.get("id")): n for n, item in enumerate(probe_items(d, plans[d]["probe"]))} for d in plans}
     for look in range(max((len(p["looks"]) for p in plans.values()), default=0)):
         requests = {d: [positions[d][i] for i in plans[d]["order"][done[d]: plans[d]["looks"][look]]]
                     for d in active if look < len(plans[d]["looks"])}
@@ -227,7 +227,7 @@ def fidelity_texts(domains: list[str], per_domain: int, probes: dict[str, dict])
     texts = {}
     for domain in domains:
         families: dict[str, list[dict]] = {}
-        for item in probe_items(domain):
+        for item in probe_items(domain, probes[domain]):
             families.setdefault(str(item.get("family", "")), []).append(item)
         queues = [families[f] for f in _interleaved(list(families))]
         picked = []
@@ -252,6 +252,10 @@ def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, f
     result: dict = {"variant": Path(variant_dir).name, "device": device, "batch_size": p.batch_size}
     domains = [d for d in plans if not standard_tasks.is_task_row(d)]
     fidelity_domains = list(dict.fromkeys(plan.get("domain", d) for d, plan in plans.items()))  # a task row's is its domain's
+    if p.threads:  # evaluate.threads (the stage runs this in its own process)
+        import torch
+
+        torch.set_num_threads(p.threads)
     try:
         check_items({d: plans[d]["probe"] for d in domains})
         model, tokenizer = load_variant(variant_dir, device, max_memory)

@@ -19,15 +19,52 @@ PROBE_TASK_PREFIX = "quantgate_"  # probe tasks are named so; standard lm-eval t
 PLACEHOLDERS = (999, "N/A")
 
 
+def pool_path(domain: str, probe: dict | None = None, eval_dir: Path | None = None) -> Path:
+    """A request type's probe pool: eval/<domain>/<probes.items> (items.jsonl by default)."""
+    return (eval_dir or EVAL_DIR) / domain / ((probe or {}).get("items") or "items.jsonl")
+
+
+def task_yaml(path: Path) -> dict:
+    """An lm-eval task YAML's plain keys; `!function module.name` tags are read as None (not imported here)."""
+    import yaml
+
+    class TaskLoader(yaml.SafeLoader):
+        pass
+
+    TaskLoader.add_multi_constructor("!", lambda _loader, _suffix, _node: None)
+    return yaml.load(path.read_text(encoding="utf-8"), Loader=TaskLoader) or {}
+
+
+def check_task_reads_pool(domain: str, probe: dict) -> None:
+    """The task YAML's `dataset_kwargs.data_files.test` is the pool the plan orders: lm-eval's doc ids are positions
+    in the file it reads, so another file would pair every answer with the wrong item. The YAML is found by its
+    `task:` key, as lm-eval finds it; a task that reads no declared file here is refused, not assumed right."""
+    folder = EVAL_DIR / domain
+    found = [(f, task_yaml(f)) for f in sorted(folder.glob("*.yaml"))] if folder.is_dir() else []
+    found = [(f, c) for f, c in found if isinstance(c, dict) and c.get("task") == probe["task"]]
+    if not found:
+        raise QuantgateError(f"{folder}/: no task YAML has `task: {probe['task']}` (requests.{domain}.probes.task)")
+    task_file, config = found[0]
+    files = (config.get("dataset_kwargs") or {}).get("data_files") if isinstance(config.get("dataset_kwargs"), dict) \
+        else None
+    reads = files.get("test") if isinstance(files, dict) else files
+    reads = reads[0] if isinstance(reads, list) and len(reads) == 1 else reads
+    pool = pool_path(domain, probe)
+    if not isinstance(reads, str) or Path(reads).parts[-2:] != pool.parts[-2:]:
+        raise QuantgateError(f"{task_file}: dataset_kwargs.data_files.test is {reads!r}, but requests.{domain}.probes "
+                             f"names the pool {pool.name} (eval/{domain}/{pool.name}): make them the same file")
+
+
 def check_items(probes: dict[str, dict]) -> None:
-    """Every probe file exists and every item has the fields its request type declares; errors name file, line
-    and field. `probes`: request type -> its declared probes (params.ProbeParams as a dict)."""
+    """Every probe file exists, its task reads it, and every item has the fields its request type declares; errors
+    name file, line and field. `probes`: request type -> its declared probes (params.ProbeParams as a dict)."""
     for domain, probe in probes.items():
-        path = EVAL_DIR / domain / "items.jsonl"
+        path = pool_path(domain, probe)
         for number, item in enumerate(read_jsonl(path), start=1):
             missing = [f for f in probe["fields"] if item.get(f) in (None, "")]
             if missing:
                 raise QuantgateError(f"{path}:{number}: item {item.get('id', '?')} has no {', '.join(missing)}")
+        check_task_reads_pool(domain, probe)
 
 
 def row_of(record: dict) -> str:
@@ -48,9 +85,9 @@ def correctness(rows: dict[str, dict]) -> dict[str, bool]:
     return {i: row.get("correct") is True for i, row in rows.items()}
 
 
-def probe_items(domain: str) -> list[dict]:
+def probe_items(domain: str, probe: dict | None = None) -> list[dict]:
     """A domain's probe pool, in file order (lm-eval's doc ids are positions in this file)."""
-    return read_jsonl(EVAL_DIR / domain / "items.jsonl")
+    return read_jsonl(pool_path(domain, probe))
 
 
 def probe_plans(domains: list[str], p: EvaluateParams, eval_dir: Path = EVAL_DIR) -> dict[str, dict]:
@@ -61,7 +98,7 @@ def probe_plans(domains: list[str], p: EvaluateParams, eval_dir: Path = EVAL_DIR
     """
     plans = {}
     for domain in domains:
-        path = eval_dir / domain / "items.jsonl"
+        path = pool_path(domain, p.probes[domain].model_dump(), eval_dir)
         items = read_jsonl(path) if path.is_file() else []
         ids = [str(item.get("id")) for item in items]
         seen: dict[str, int] = {}

@@ -1,7 +1,9 @@
 """Which model is under test, where its weights come from, and the one loader every stage uses.
 
 `model:` in params.yaml is `reference` (the embedded model this project trains), a local Hugging
-Face checkpoint directory, or a hub id (`org/name`) for users with hub access.
+Face checkpoint directory, a GGUF file (a path, or `pkg:DIST/FILE` that an installed package ships:
+pipelines/models/gguf.py), or a hub id (`org/name`) for users with hub access. The reference and GGUF kinds are
+built into models/reference by the reference stage; every later stage reads them from there.
 """
 
 from __future__ import annotations
@@ -16,30 +18,42 @@ from pipelines.core.paths import MANIFEST, REFERENCE_DIR
 
 @dataclass(frozen=True)
 class ModelSource:
-    kind: str  # "reference", "local" or "hub"
+    kind: str  # "reference", "local", "gguf" or "hub"
     location: str  # what from_pretrained() takes
+    origin: str | None = None  # gguf: the file as params.yaml names it, which the reference stage dequantizes
 
     @property
     def is_reference(self) -> bool:
         return self.kind == "reference"
+
+    @property
+    def built_by_reference_stage(self) -> bool:
+        """The reference stage writes this model into models/reference (trained, copied or dequantized)."""
+        return self.kind in ("reference", "gguf")
 
 
 def resolve_model(spec: str) -> ModelSource:
     """Turn the `model:` setting into a source; anything else stops with a one-line reason."""
     if spec == "reference":
         return ModelSource("reference", str(REFERENCE_DIR))
+    from pipelines.models import gguf
+
+    if gguf.is_gguf_spec(spec):
+        gguf.find(spec)  # a missing file or package stops here, naming it
+        return ModelSource("gguf", str(REFERENCE_DIR), origin=spec)
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise QuantgateError(f"params.yaml: model: {spec} is a file; expected a checkpoint directory")
+            raise QuantgateError(f"params.yaml: model: {spec} is a file; expected a checkpoint directory or a "
+                                 ".gguf file")
         if not (path / "config.json").is_file():
             raise QuantgateError(f"params.yaml: model: {path} has no config.json; expected a Hugging Face checkpoint")
         return ModelSource("local", str(path))
     if HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
         return ModelSource("hub", spec)
     raise QuantgateError(
-        f"params.yaml: model: {spec!r} is not 'reference', an existing checkpoint directory, "
-        "or a hub id of the form org/name"
+        f"params.yaml: model: {spec!r} is not 'reference', an existing checkpoint directory, a .gguf file "
+        "(or pkg:DISTRIBUTION/FILE.gguf), or a hub id of the form org/name"
     )
 
 
@@ -47,7 +61,7 @@ def load_tokenizer(source: ModelSource):
     """The model's own tokenizer: token counts everywhere are measured with it."""
     from transformers import AutoTokenizer
 
-    if source.is_reference and not (Path(source.location) / "tokenizer.json").is_file():
+    if source.built_by_reference_stage and not (Path(source.location) / "tokenizer.json").is_file():
         raise QuantgateError(f"{source.location}: no tokenizer; run `dvc repro reference` (or quantgate reference) first")
     try:
         return AutoTokenizer.from_pretrained(source.location)

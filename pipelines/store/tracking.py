@@ -5,6 +5,7 @@ record writes there, gate and fetch read there, doctor checks it, `quantgate ui`
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -12,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipelines.core.paths import MLARTIFACTS, MLFLOW_DB
+from pipelines.core.paths import MLARTIFACTS, MLFLOW_DB, PROFILE_MARKER
 
 log = logging.getLogger("pipelines.store")
 
@@ -22,16 +23,37 @@ def repository_root() -> Path:
     return Path(os.environ.get("DVC_ROOT", ".")).resolve()
 
 
+def store_root() -> Path:
+    """Where the default store lives: the repository root, or for a profile's workspace (`quantgate profile`) the
+    checkout it was made from, so a profile's runs sit in the same experiment as the default run's."""
+    root = repository_root()
+    marker = root / PROFILE_MARKER
+    if not marker.is_file():
+        return root
+    try:
+        named = json.loads(marker.read_text(encoding="utf-8")).get("store_root")
+    except (OSError, ValueError, AttributeError):
+        named = None
+    if not named or not Path(named).is_dir():  # never a store of its own that no UI would show
+        from pipelines.core.errors import QuantgateError
+
+        raise QuantgateError(f"{marker}: the checkout whose MLflow store this workspace records into "
+                             f"({named or 'not named'}) is not here: run `quantgate profile NAME` there again, or set "
+                             "MLFLOW_TRACKING_URI")
+    return Path(named)
+
+
 def artifact_root() -> Path:
     """Artifacts of the default SQLite store live beside it (DVC_ROOT in dvc runs), not in the cwd."""
-    return repository_root() / MLARTIFACTS
+    return store_root() / MLARTIFACTS
 
 
 def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI when set, else the SQLite store at the repository root (DVC_ROOT in dvc runs)."""
+    """MLFLOW_TRACKING_URI when set, else the SQLite store at the repository root (DVC_ROOT in dvc runs), or at the
+    checkout a profile's workspace was made from."""
     if uri := os.environ.get("MLFLOW_TRACKING_URI"):
         return uri
-    return f"sqlite:///{repository_root() / MLFLOW_DB}"
+    return f"sqlite:///{store_root() / MLFLOW_DB}"
 
 
 def ui(port: int = 5000) -> int:

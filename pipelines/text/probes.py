@@ -85,3 +85,54 @@ def code_probes(seed: int = PROBE_SEED, count: int = POOL) -> list[dict]:
                       "family": f"{template}-{'trained' if seen else 'held-out'}", "seen_in_training": seen,
                       "prompt": prompt + "return", "canonical": body, "tests": synthetic.function_tests(template, n)})
     return items
+
+
+# --------------------------------------------------------------------------------------------
+# Math as multiple choice: for a real model that does not answer a bare `25+60=` (the real-model profile)
+# --------------------------------------------------------------------------------------------
+
+MATH_CHOICE_SEED = PROBE_SEED + 1
+
+
+def _near_misses(kind: str, answer: str, question: str) -> list[str]:
+    """Wrong answers a model that almost computes would give: off by one, two or ten; for fractions the other
+    operation, numerators and denominators added, and a numerator off by one."""
+    import re
+    from fractions import Fraction
+
+    fraction = re.fullmatch(r"(\d+)(?:/(\d+))?([+-])(\d+)(?:/(\d+))?", question) if kind == "fraction" else None
+    if fraction:
+        a, b, op, c, d = fraction.groups()
+        p, q = Fraction(int(a), int(b or 1)), Fraction(int(c), int(d or 1))
+        right = Fraction(answer)
+        wrong = [p - q if op == "+" else p + q, Fraction(p.numerator + q.numerator, p.denominator + q.denominator),
+                 right + Fraction(1, right.denominator), right - Fraction(1, right.denominator),
+                 Fraction(right.denominator, max(1, abs(right.numerator))) if right else Fraction(1, 2)]
+        return [synthetic._frac(w) for w in wrong]
+    value = int(answer)
+    return [str(value + step) for step in (-10, -2, -1, 1, 2, 10) if value < 0 or value + step >= 0]
+
+
+def math_choice_probes(seed: int = MATH_CHOICE_SEED, count: int = POOL, n_choices: int = 4) -> list[dict]:
+    """Pick the value of an expression among four, scored by log-likelihood: the math generator's kinds (additions,
+    × ÷ ^ ² √, fractions, LaTeX) asked as `Question: What is 56÷7?` / `Answer: 56÷7 =`, the wrong choices near misses.
+    Written for a real model that does not answer a bare `25+60=` by itself (SmolLM2-135M answers none of those);
+    the generator and its seed are the project's own (Apache-2.0). Family: the kind and the expression's first digit
+    (items that share the digits a model carries fail together)."""
+    rng = random.Random(seed)
+    items, seen = [], set()
+    while len(items) < count:
+        kind, prompt, answer = synthetic.math_problem(rng)
+        question = prompt.removesuffix("=")
+        if question in seen:
+            continue
+        seen.add(question)
+        wrong = sorted(set(_near_misses(kind, answer, question)) - {answer})
+        if len(wrong) < n_choices - 1:
+            continue
+        picked = rng.sample(wrong, n_choices - 1)
+        gold = rng.randrange(n_choices)
+        choices = [" " + c for c in picked[:gold] + [answer] + picked[gold:]]
+        digit = next((ch for ch in question if ch.isdigit()), "0")
+        items.append({"kind": kind, "family": f"{kind}-{digit}", "question": question, "choices": choices, "gold": gold})
+    return [{"id": f"math_choice-{i:04d}", **item} for i, item in enumerate(items)]

@@ -13,7 +13,7 @@ from .compare_blocks import (render_gate_summary, render_history_row, render_mar
                              render_verdicts)
 from .measured_blocks import (render_admission_cost, render_evaluate_overhead, render_fanout, render_gate_operating,
                               render_measured_rows, render_pipeline_speed, render_quantize_overhead,
-                              render_quantizer_settings)
+                              render_quantizer_settings, render_real_profile)
 from .params_blocks import render_params
 from .result_blocks import (render_classifier, render_shadow_agreement, render_coverage, render_eval_accuracy, render_eval_fidelity,
                             render_memory, render_quantize, render_reference, render_reference_history)
@@ -52,6 +52,8 @@ RENDERERS = {
     "fanout": (render_fanout, "docs/measured/fanout.json (benchmarks/fanout.py)"),
     "quantizer-settings": (render_quantizer_settings, "docs/measured/ARG.json (benchmarks/quantizer_settings.py)"),
     "measured-table": (render_measured_rows, "docs/measured/ARG.json: a table recorded with its date and command"),
+    "real-profile": (render_real_profile, "docs/measured/real_profile.json (benchmarks/real_profile.py); `stages RUN`, "
+                                          "`seed-incident`"),
 }
 
 
@@ -85,6 +87,8 @@ def render_block(root: Path, kind: str, arg: str, old: list[str]) -> list[str]:
         raise ValueError(f"unknown block kind {kind!r} (known: {', '.join(RENDERERS)})")
     content, old_prov = split_old(old)
     ctx = Context(root)
+    if arg and arg.startswith("@"):  # `@FOLDER [ARG]`: another run's results, copied into FOLDER (results/, params.yaml)
+        ctx.run_copy, _, arg = arg[1:].partition(" ")
     new = [line.rstrip() for line in RENDERERS[kind][0](ctx, arg or "", content)]
     prov = provenance(ctx)
     if new == content and old_prov and undated(old_prov) == undated(prov):

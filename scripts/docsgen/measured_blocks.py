@@ -40,6 +40,45 @@ def render_pipeline_speed(ctx: Context, arg: str, old: list[str]) -> list[str]:
     return lines
 
 
+def render_real_profile(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    """benchmarks/real_profile.py: the run against its goal; `stages RUN`: where RUN's time went; `seed-incident`:
+    awq4 and gptq3 with and without code comments in the calibration set."""
+    data = ctx.measured("real_profile")
+    r = data["results"]
+    if arg.startswith("stages"):
+        return _stage_table(r["stages"][arg.split()[1]])
+    if arg.strip() == "seed-incident":
+        incident = r["seed_incident"]
+        rows = []
+        for key, before in incident["full_calibration"].items():
+            after = incident["without_code_comments"].get(key) or {}
+
+            def cell(x: dict) -> str:
+                if x.get("difference") is None:
+                    return f"{x.get('verdict', '–')}"
+                return (f"{x['verdict']}: {x['difference']:+.3f} [{x['ci_low']:+.3f}, {x['ci_high']:+.3f}], "
+                        f"{x['items']} items, flips {x['flips_lost']}/{x['flips_gained']}")
+
+            kl = (f"{before.get('kl_p99'):.3f} → {after.get('kl_p99'):.3f}"
+                  if before.get("kl_p99") is not None and after.get("kl_p99") is not None else "–")
+            rows.append([*key.split("/"), cell(before), cell(after), kl])
+        lines = table(["variant", "request type", "full calibration", "without code comments", "KL p99"], rows)
+        return lines + ["", f"`dvc exp run -S 'calibration.exclude=[code_comment]'` in the profile's workspace: "
+                            f"{incident['minutes']:.1f} min."]
+    rows = [[f"fresh `quantgate repro` of profile {r['profile']} "
+             f"({'the chains on a local Ray cluster' if r.get('fresh_parallel') else 'one stage after another'})",
+             f"{r['fresh_minutes']:.1f} min", f"≤ {r['goal_minutes']:g} min"]]
+    if "sequential_minutes" in r:
+        rows.append(["fresh `quantgate repro --sequential` (plain `dvc repro`)", f"{r['sequential_minutes']:.1f} min",
+                     ""])
+    if "differs_from_sequential" in r:
+        rows.append(["verdict and routing rows that differ, fanned out vs sequential",
+                     ", ".join(r["differs_from_sequential"]) or "none", "none"])
+    if "gate_exit" in r:
+        rows.append(["`quantgate gate` exit code", str(r["gate_exit"]), "0, 1 or 2 (decided on evidence)"])
+    return table(["what", "measured", "goal"], rows) + (["", data["note"]] if data.get("note") else [])
+
+
 def _stage_table(stages: dict) -> list[str]:
     """One row per stage, slowest first: its wall time, the seconds inside bare library calls, the rest."""
     rows = []
@@ -159,6 +198,7 @@ def render_quantizer_settings(ctx: Context, arg: str, old: list[str]) -> list[st
     r = data["results"]
     domains, gen = r["domains"], r.get("generating_domains") or []
     pools = r.get("pool_sizes") or {}
+    timed = any("quantize_seconds" in row for row in r["rows"])
     rows = []
     for row in r["rows"]:
         fid, lg = row.get("fidelity") or {}, row.get("lost_gained") or {}
@@ -172,13 +212,17 @@ def render_quantizer_settings(ctx: Context, arg: str, old: list[str]) -> list[st
             d = domains[0]
             cells += [f"{small(fid[d]['kl_mean'])}, {pct(fid[d]['same_top1'])}"]
         cells += [", ".join(f"{lg[d][0]}/{lg[d][1]}" for d in gen if d in lg)]
+        if timed:  # newer runs record what quantizing took, and from how many calibration texts
+            cells += [f"{row['quantize_seconds']:.0f}" if row.get("quantize_seconds") is not None else "–",
+                      str(row.get("calibration_samples") or "–")]
         rows.append(cells)
+    extra = ["quantize s", "calibration texts"] if timed else []
     if len(domains) > 1:
         head = ["setting", f"KL mean: {' / '.join(domains)}", "KL p99", "same top-1",
-                f"probes lost / gained: {', '.join(gen)}"]
+                f"probes lost / gained: {', '.join(gen)}", *extra]
     else:
         head = ["setting", f"fidelity on {domains[0]} texts: KL mean, same top-1",
-                "probes lost / gained" + (f" of {count(pools[gen[0]])}" if gen and gen[0] in pools else "")]
+                "probes lost / gained" + (f" of {count(pools[gen[0]])}" if gen and gen[0] in pools else ""), *extra]
     lines = table(head, rows)
     if data.get("note"):
         lines += ["", data["note"]]

@@ -41,12 +41,17 @@ class Used:
 class Context:
     root: Path
     used: list[Used] = field(default_factory=list)
+    # another run's copy (`<!-- numbers:KIND @docs/measured/smollm2 -->`): its results/ and params.yaml are read there
+    run_copy: str = ""
 
     def _note(self, used: Used) -> None:
         if not any(u.kind == used.kind and u.path == used.path and u.commit == used.commit for u in self.used):
             self.used.append(used)
 
     def read(self, path: str, made_by: str = "") -> str:
+        if self.run_copy and (path.startswith("results/") or path == "params.yaml"):
+            path = f"{self.run_copy}/{path}"
+            made_by = "a profile's `quantgate repro`, copied by `benchmarks/real_profile.py`"
         file = self.root / path
         if not file.is_file():
             who = f"`dvc repro` (stage `{made_by[6:]}`)" if made_by.startswith("stage:") else made_by
