@@ -10,7 +10,7 @@
 3. `--sequential`: another fresh workspace, `quantgate repro --sequential` (plain `dvc repro`), timed; the verdict and
    routing rows of the two runs are compared. Each part is recorded as soon as it is measured.
 Per stage: its wall time beside the seconds inside its library calls (logs/timings, pipelines/core/timing.py).
-Writes docs/measured/<name>_profile.json (timings, the seed incident's rows) and copies the first run's results that
+Writes docs/measured/real_profile.json (timings, the seed incident's rows) and copies the first run's results that
 the docs quote into docs/measured/<name>/ (results/..., params.yaml): docs/real-model.md renders its tables from them.
 """
 
@@ -83,8 +83,8 @@ def rows(repo: Path) -> dict:
         p, f = row.get("paired") or {}, row.get("fidelity") or {}
         out[f"{variant}/{domain}"] = {
             "verdict": row.get("verdict"), "items": p.get("items"), "difference": p.get("difference"),
-            "ci_low": p.get("ci_low"), "ci_high": p.get("ci_high"), "flips_lost": p.get("lost"),
-            "flips_gained": p.get("gained"), "flip_rate": p.get("flip_rate"),
+            "ci_low": p.get("ci_low"), "ci_high": p.get("ci_high"), "flips_lost": p.get("correct_to_wrong"),
+            "flips_gained": p.get("wrong_to_correct"), "flip_rate": p.get("flip_rate"),
             "kl_p99": (f.get("kl") or {}).get("p99"), "kl_mean": (f.get("kl") or {}).get("mean"),
             "reasons": row.get("reasons")}
     return out
@@ -103,12 +103,14 @@ def seed_incident(repo: Path, numbers: dict) -> None:
     numbers["seed_incident"]["calibration_shares"] = {d: x.get("calibration_share") for d, x in
                                                       (calibration.get("domains") or {}).items()}
     print(f"\nseed incident (dvc exp run, {took / 60:.1f} min): full calibration -> without code comments")
+    def cell(x: dict) -> str:
+        if x.get("difference") is None:  # no paired numbers (the row was not judged): its verdict alone
+            return f"{x.get('verdict', '?'):>12}"
+        return f"{x['verdict']:>12} {x['difference']:+.3f} [{x['ci_low']:+.3f}, {x['ci_high']:+.3f}]"
+
     for key, before in numbers["seed_incident"]["full_calibration"].items():
         after = numbers["seed_incident"]["without_code_comments"].get(key, {})
-        print(f"  {key:20} {before['verdict']:>12} {before['difference']:+.3f} [{before['ci_low']:+.3f}, "
-              f"{before['ci_high']:+.3f}] -> {after.get('verdict', '?'):>12} {after.get('difference', 0):+.3f} "
-              f"[{after.get('ci_low', 0):+.3f}, {after.get('ci_high', 0):+.3f}]  KL p99 {before['kl_p99']} -> "
-              f"{after.get('kl_p99')}")
+        print(f"  {key:20} {cell(before)} -> {cell(after)}  KL p99 {before.get('kl_p99')} -> {after.get('kl_p99')}")
     run([*git, "checkout", "--", "."], repo)
     run([str(BIN / "dvc"), "checkout", "--force"], repo)
 

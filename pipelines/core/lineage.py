@@ -173,6 +173,23 @@ def git_commit(cwd: Path = Path(".")) -> dict:
     return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
+def recorded_commit(root: Path = Path(".")) -> dict:
+    """The commit a run's code is, for MLflow's tags: HEAD of this checkout. In a profile's workspace, the checkout's
+    commit it was synced from (its own history only counts syncs), dirty when that checkout was, or when the workspace
+    was edited since its sync (uncommitted changes, or a HEAD that is not the sync's commit)."""
+    from pipelines.core.io import read_json
+    from pipelines.core.paths import PROFILE_MARKER
+
+    own = git_commit(root)
+    if not (root / PROFILE_MARKER).is_file():
+        return own
+    marker = read_json(root / PROFILE_MARKER)
+    synced = marker.get("synced_from") or {}
+    edited = own["dirty"] is not False or own["commit"] != marker.get("workspace_commit")
+    return {"commit": synced.get("commit"), "dirty": bool(synced.get("dirty")) or edited,
+            "workspace_commit": own["commit"], "profile": marker.get("profile")}
+
+
 def stage_code(stage: str, root: Path = Path(__file__).resolve().parents[2]) -> list[str]:
     """The files of `pipelines/` that stage `stage` runs: its own module (`pipelines/<stage>.py`), what that imports,
     and so on, with the `__init__.py` of every package on the way. dvc.yaml lists exactly these as the stage's code

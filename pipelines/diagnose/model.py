@@ -40,7 +40,7 @@ def model_check(params) -> Check:
         source = resolve_model(params.model)
     except QuantgateError as err:
         return Check("model", FAIL, str(err), "model: in params.yaml: reference, a checkpoint folder with config.json, "
-                                              "a .gguf file (or pkg:DIST/FILE.gguf), or a hub id org/name")
+                                              "a .gguf file (or pkg:DIST==VERSION/FILE.gguf), or a hub id org/name")
     if source.kind == "gguf":
         return _gguf_check(source.origin)
     if source.is_reference:

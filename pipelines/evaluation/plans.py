@@ -44,13 +44,17 @@ def check_task_reads_pool(domain: str, probe: dict) -> None:
     found = [(f, c) for f, c in found if isinstance(c, dict) and c.get("task") == probe["task"]]
     if not found:
         raise QuantgateError(f"{folder}/: no task YAML has `task: {probe['task']}` (requests.{domain}.probes.task)")
+    if len(found) > 1:  # which one lm-eval registers last is its business: never guess which file answered
+        raise QuantgateError(f"{folder}/: {', '.join(f.name for f, _ in found)} all declare `task: {probe['task']}`: "
+                             "one task, one YAML")
     task_file, config = found[0]
     files = (config.get("dataset_kwargs") or {}).get("data_files") if isinstance(config.get("dataset_kwargs"), dict) \
         else None
     reads = files.get("test") if isinstance(files, dict) else files
     reads = reads[0] if isinstance(reads, list) and len(reads) == 1 else reads
     pool = pool_path(domain, probe)
-    if not isinstance(reads, str) or Path(reads).parts[-2:] != pool.parts[-2:]:
+    # lm-eval resolves a relative data file against the working directory, the repository root
+    if not isinstance(reads, str) or Path(reads).resolve() != pool.resolve():
         raise QuantgateError(f"{task_file}: dataset_kwargs.data_files.test is {reads!r}, but requests.{domain}.probes "
                              f"names the pool {pool.name} (eval/{domain}/{pool.name}): make them the same file")
 

@@ -238,6 +238,8 @@ def lower_limit(accuracy: float, items: float, confidence: float) -> float:
     fractional count (clustered items)."""
     if items <= 0 or not math.isfinite(accuracy):
         return math.nan
+    if accuracy <= 0:  # exactly 0, as the formula is: its floating-point rounding (about 1e-18) would read as signal
+        return 0.0
     z = float(stats.norm.ppf(1 - (1 - confidence) / 2))
     centre = accuracy + z * z / (2 * items)
     spread = z * math.sqrt(accuracy * (1 - accuracy) / items + z * z / (4 * items * items))

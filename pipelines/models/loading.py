@@ -1,7 +1,7 @@
 """Which model is under test, where its weights come from, and the one loader every stage uses.
 
 `model:` in params.yaml is `reference` (the embedded model this project trains), a local Hugging
-Face checkpoint directory, a GGUF file (a path, or `pkg:DIST/FILE` that an installed package ships:
+Face checkpoint directory, a GGUF file (a path, or `pkg:DIST==VERSION/FILE` that an installed package ships:
 pipelines/models/gguf.py), or a hub id (`org/name`) for users with hub access. The reference and GGUF kinds are
 built into models/reference by the reference stage; every later stage reads them from there.
 """
@@ -53,7 +53,7 @@ def resolve_model(spec: str) -> ModelSource:
         return ModelSource("hub", spec)
     raise QuantgateError(
         f"params.yaml: model: {spec!r} is not 'reference', an existing checkpoint directory, a .gguf file "
-        "(or pkg:DISTRIBUTION/FILE.gguf), or a hub id of the form org/name"
+        "(or pkg:DISTRIBUTION==VERSION/FILE.gguf), or a hub id of the form org/name"
     )
 
 

@@ -44,7 +44,11 @@ def store_root() -> Path:
 
 
 def artifact_root() -> Path:
-    """Artifacts of the default SQLite store live beside it (DVC_ROOT in dvc runs), not in the cwd."""
+    """Artifacts of a SQLite store live beside its file: the default store's at the repository root (DVC_ROOT in dvc
+    runs) or the checkout a workspace records into, MLFLOW_TRACKING_URI's beside the file it names, never in the cwd."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if uri.startswith("sqlite:///"):
+        return Path(uri[len("sqlite:///"):]).resolve().parent / MLARTIFACTS
     return store_root() / MLARTIFACTS
 
 

@@ -63,8 +63,11 @@ def render_real_profile(ctx: Context, arg: str, old: list[str]) -> list[str]:
                   if before.get("kl_p99") is not None and after.get("kl_p99") is not None else "–")
             rows.append([*key.split("/"), cell(before), cell(after), kl])
         lines = table(["variant", "request type", "full calibration", "without code comments", "KL p99"], rows)
-        return lines + ["", f"`dvc exp run -S 'calibration.exclude=[code_comment]'` in the profile's workspace: "
-                            f"{incident['minutes']:.1f} min."]
+        shares = ", ".join(f"{d} {v:.0%}" for d, v in (incident.get("calibration_shares") or {}).items()
+                           if v is not None)
+        return lines + ["", "`dvc exp run -S 'calibration.exclude=[code_comment]'` in the profile's workspace, after the "
+                            "run above: calibrate, awq4's and gptq3's quantize and evaluate, compare and the stages after "
+                            "it again" + (f"; the calibration set without code comments: {shares}." if shares else ".")]
     rows = [[f"fresh `quantgate repro` of profile {r['profile']} "
              f"({'the chains on a local Ray cluster' if r.get('fresh_parallel') else 'one stage after another'})",
              f"{r['fresh_minutes']:.1f} min", f"≤ {r['goal_minutes']:g} min"]]
