@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 
-from pipelines.core import logs, timing
+from pipelines.core import lineage, logs, timing
 from pipelines.core.errors import QuantgateError
 
 VERBS = {  # verb -> entry function; the stages are also dvc.yaml stages of the same name
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     timing.start(timing.stage_of(vars(args)))  # benchmarks/pipeline_speed.py reads where its time went
     try:
         function, kwargs = entry(args)
-        return function(**kwargs)
+        return lineage.refuse_foreign_code(verb) or function(**kwargs)
     except QuantgateError as err:
         print(f"quantgate {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -228,7 +228,7 @@ def main(variant: list[str] | None = None, promote: bool = False, audit: bool = 
     report = fresh = table = policy_for = None
     try:
         from pipelines.core.errors import QuantgateError
-        from pipelines.core.lineage import git_commit, lock_digest, results_digest, stage_digests, workspace_changes
+        from pipelines.core.lineage import lock_digest, recorded_commit, results_digest, stage_digests, workspace_changes
         from pipelines.core.params import load_params
         from pipelines.core.paths import COMPARE_REPORT, MLFLOW_RUN, RESULTS, ROUTING_TABLE, SHADOW_REPORT, VARIANTS_DIR
         from pipelines.evaluation.plans import probe_plans
@@ -260,7 +260,7 @@ def main(variant: list[str] | None = None, promote: bool = False, audit: bool = 
                                      .format(result["audit"]["seed"]), *result["audit"]["lines"], *result["reasons"]]
         digest = results_digest()
         result["results_digest"] = digest
-        result["git"] = git_commit()
+        result["git"] = recorded_commit()  # as record tags it: a workspace's checkout commit
         if MLFLOW_RUN.is_file():
             run = read_json(MLFLOW_RUN)
             if run.get("results_digest") == digest:

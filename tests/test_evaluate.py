@@ -194,10 +194,12 @@ def test_a_task_that_reads_another_file_than_the_declared_pool_is_refused(tmp_pa
     # the YAML is found by its task: key, whatever its file name; one that names no test file is refused too
     (eval_copy / "math" / "quantgate_math_choice.yaml").rename(eval_copy / "math" / "renamed.yaml")
     plans.check_items({"math": choice})
-    shutil.copy(eval_copy / "math" / "renamed.yaml", eval_copy / "math" / "again.yaml")
-    with pytest.raises(QuantgateError, match=r"again.yaml, renamed.yaml all declare `task: quantgate_math_choice`"):
+    # lm-eval indexes every YAML under eval/ and keeps one of two that declare a task: another folder's counts too
+    shutil.copy(eval_copy / "math" / "renamed.yaml", eval_copy / "chat" / "again.yaml")
+    with pytest.raises(QuantgateError, match=r"eval/chat/again.yaml, eval/math/renamed.yaml all declare "
+                                             r"`task: quantgate_math_choice`"):
         plans.check_items({"math": choice})
-    (eval_copy / "math" / "again.yaml").unlink()
+    (eval_copy / "chat" / "again.yaml").unlink()
     text = (eval_copy / "math" / "renamed.yaml").read_text().replace("    test: eval/math/choice.jsonl", "    train: x.jsonl")
     (eval_copy / "math" / "renamed.yaml").write_text(text)
     with pytest.raises(QuantgateError, match=r"renamed.yaml: dataset_kwargs.data_files.test is None"):

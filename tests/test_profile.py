@@ -181,3 +181,17 @@ def test_a_workspace_run_is_recorded_as_the_checkout_commit_it_came_from_and_as_
 def test_a_profile_name_is_a_file_name(tmp_path, name):
     with pytest.raises(QuantgateError, match="a profile is named by its file profiles/NAME.yaml"):
         profile.load_profile(name, tmp_path)
+
+
+def test_a_stage_run_in_a_workspace_with_another_checkouts_code_is_refused(tmp_path, monkeypatch, capsys):
+    """A `dvc repro` typed in the workspace without PYTHONPATH would run the checkout's code (the editable install)
+    and leave outputs that dvc.lock credits to the workspace's copy: every command that writes refuses first."""
+    from pipelines import cli
+
+    root = _checkout(tmp_path / "main", {})
+    monkeypatch.chdir(root)
+    dest = profile.sync("small")
+    monkeypatch.chdir(dest)
+    assert cli.main(["calibrate"]) == 2
+    assert f"not this workspace's copy (which dvc.lock hashed): run here with PYTHONPATH={dest}" in capsys.readouterr().err
+    assert not (dest / "calibration_sets").exists() and not (dest / "results").exists()

@@ -118,6 +118,18 @@ def foreign_code(root: Path) -> list[str]:
             f"with PYTHONPATH={root.resolve()} (bash scripts/run.sh --model NAME does)"]
 
 
+READS_ONLY = ("profile", "ui", "doctor", "gate", "audit", "route lookup")  # they say so themselves, or write nothing
+
+
+def refuse_foreign_code(verb: str) -> None:
+    """Before a command that writes results: in a profile's workspace, only with the workspace's own code (a stage run
+    with another checkout's code would leave outputs that dvc.lock credits to the workspace's)."""
+    if verb not in READS_ONLY and (foreign := foreign_code(Path("."))):
+        from pipelines.core.errors import QuantgateError
+
+        raise QuantgateError(foreign[0])
+
+
 def _declared_against_locked(stages: list, lock_path: Path) -> list[str]:
     """Stages whose dvc.yaml deps or outs are not the ones dvc.lock recorded. DVC's status only checks what
     dvc.yaml lists now, so deleting a dep from dvc.yaml would hide any change to it."""

