@@ -1,17 +1,20 @@
 """The real-model profile end to end: where its time goes, fanned out and sequential, and the seed incident asked of it.
 
-    .venv/bin/python benchmarks/real_profile.py [--sequential] [--seed-incident] [--keep DIR] [--profile smollm2]
+    .venv/bin/python benchmarks/real_profile.py [--sequential [--no-fanned-out]] [--seed-incident] [--keep DIR]
+                                                [--profile smollm2]
 
 1. A fresh workspace of the profile (profiles/<name>.yaml through `quantgate profile`'s own sync, in DIR or a temp
    folder), then `quantgate repro` there, timed: the chains side by side on a local Ray cluster, as
    `bash scripts/run.sh --model <name>` runs them after its install.
 2. `--seed-incident`: in the first workspace, committed, `dvc exp run -S 'calibration.exclude=[code_comment]'`:
    awq4 and gptq3 quantized without code comments, judged again (the README's experiment, on the real model).
-3. `--sequential`: another fresh workspace, `quantgate repro --sequential` (plain `dvc repro`), timed; the verdict and
-   routing rows of the two runs are compared. Each part is recorded as soon as it is measured.
+3. `--sequential`: another fresh workspace, `quantgate repro --sequential` (plain `dvc repro`), timed
+   (`--no-fanned-out`: this part alone). With both runs' workspaces in DIR, the later one's record says which verdict
+   and routing rows differ between them. Each part is recorded, in a file of its own, as soon as it is measured.
 Per stage: its wall time beside the seconds inside its library calls (logs/timings, pipelines/core/timing.py).
-Writes docs/measured/real_profile.json (timings, the seed incident's rows) and copies the first run's results that
-the docs quote into docs/measured/<name>/ (results/..., params.yaml): docs/real-model.md renders its tables from them.
+Writes docs/measured/real_profile.json (the fanned-out run: timings, the verdicts decided), real_profile_sequential.json
+and real_profile_seed_incident.json (its rows), and copies the fanned-out run's results that the docs quote into
+docs/measured/<name>/ (results/..., params.yaml): docs/real-model.md renders its tables from them.
 """
 
 from __future__ import annotations
@@ -147,38 +150,52 @@ def copy_quoted(repo: Path, dest: Path) -> None:
                 shutil.copy2(src, tmp / rel)
 
 
+def compare_runs(this: Path, other: Path, numbers: dict) -> None:
+    """The verdict and routing rows that differ from the other mode's run kept beside this one (when there is one)."""
+    if (other / "results/compare.json").is_file() and (this / "results/compare.json").is_file():
+        numbers["differs_from_other_mode"] = {"other": other.name, "rows": differences(this, other)}
+        print(f"{'rows that differ from the ' + other.name + ' run':58} {numbers['differs_from_other_mode']['rows'] or 'none'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="smollm2")
     parser.add_argument("--keep", type=Path, help="make the workspaces in this folder and keep them")
     parser.add_argument("--sequential", action="store_true", help="also time `quantgate repro --sequential`")
+    parser.add_argument("--no-fanned-out", dest="fanned_out", action="store_false",
+                        help="skip the fanned-out run (its record stays): with --sequential, time only that")
     parser.add_argument("--seed-incident", action="store_true", help="then calibration.exclude=[code_comment]")
     measured.add_arguments(parser, "real_profile")
     args = parser.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="quantgate-real-"))
     work.mkdir(parents=True, exist_ok=True)
-    numbers: dict = {"profile": args.profile, "goal_minutes": GOAL_MINUTES, "stages": {}}
     note = f"Profile {args.profile} (profiles/{args.profile}.yaml) in fresh workspaces."
     try:
-        repo = workspace(args.profile, work / "fanned-out")
-        timed_repro(repo, [str(BIN / "quantgate"), "repro"], "fresh quantgate repro of the profile", numbers, "fresh")
-        numbers["gate_exit"] = run([str(BIN / "quantgate"), "gate"], repo, check=False)[2]
-        numbers["decided"] = decided(repo)
-        print_stages("fanned out: where the time goes", numbers["stages"]["fresh"])
-        if args.record:
-            copy_quoted(repo, args.record.parent / args.profile)
-        measured.record(args.record, "real_profile", numbers, note=note)  # each part kept as soon as it is measured
-        if args.seed_incident:
-            seed_incident(repo, numbers)
-            measured.record(args.record, "real_profile", numbers, note=note)
-        if args.sequential:
+        if args.fanned_out:
+            numbers: dict = {"profile": args.profile, "goal_minutes": GOAL_MINUTES, "stages": {}}
+            repo = workspace(args.profile, work / "fanned-out")
+            timed_repro(repo, [str(BIN / "quantgate"), "repro"], "fresh quantgate repro of the profile", numbers, "fresh")
+            numbers["gate_exit"] = run([str(BIN / "quantgate"), "gate"], repo, check=False)[2]
+            numbers["decided"] = decided(repo)
+            compare_runs(repo, work / "sequential", numbers)
+            print_stages("fanned out: where the time goes", numbers["stages"]["fresh"])
+            if args.record:
+                copy_quoted(repo, args.record.parent / args.profile)
+            measured.record(args.record, "real_profile", numbers, note=note)  # each part kept as soon as it is measured
+            if args.seed_incident:  # its own record: a timing run without it leaves the last one in place
+                incident: dict = {"profile": args.profile}
+                seed_incident(repo, incident)
+                measured.record(args.record and args.record.with_name("real_profile_seed_incident.json"),
+                                "real_profile", incident, note=note)
+        if args.sequential:  # its own record too, so either run can be repeated alone
+            numbers = {"profile": args.profile, "stages": {}}
             seq = workspace(args.profile, work / "sequential")
             timed_repro(seq, [str(BIN / "quantgate"), "repro", "--sequential"], "fresh quantgate repro --sequential",
                         numbers, "sequential")
-            numbers["differs_from_sequential"] = differences(repo, seq)
-            print(f"{'fanned out vs sequential: rows that differ':58} {numbers['differs_from_sequential'] or 'none'}")
+            compare_runs(seq, work / "fanned-out", numbers)
             print_stages("sequential: where the time goes", numbers["stages"]["sequential"])
-            measured.record(args.record, "real_profile", numbers, note=note)
+            measured.record(args.record and args.record.with_name("real_profile_sequential.json"), "real_profile",
+                            numbers, note=note)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -65,3 +65,15 @@ def test_top_k_kl_is_a_lower_bound_of_the_exact_kl(models):
     exact = fidelity.compare(q_model, fidelity.base_record(base_model, tok, TEXTS, top_k=10**6), ["chat"])["chat"]
     top8 = fidelity.compare(q_model, fidelity.base_record(base_model, tok, TEXTS, top_k=8), ["chat"])["chat"]
     assert top8["kl"]["mean"] <= exact["kl"]["mean"] + 1e-6
+
+
+def test_the_baselines_own_rows_are_what_a_second_forward_pass_gives(models, tmp_path):
+    """The baseline scores itself from the pass that makes the base file (harness): the same rows, bit for bit, as
+    `compare` of the same model against the saved file, which runs the model again."""
+    model, tok = models["fp16"]
+    path = tmp_path / "base.safetensors"
+    own: dict = {}
+    fidelity.save_base(fidelity.base_record(model, tok, TEXTS, top_k=16, own_rows=own), path)
+    base = fidelity.load_base(path)
+    assert fidelity.report(own, base) == fidelity.compare(model, base, list(TEXTS))
+    assert [r["text"] for r in own["math"]] == [0, 1] and own["math"][1]["tokens"] > 0

@@ -36,21 +36,27 @@ def encode(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 @torch.no_grad()
-def base_record(model, tokenizer, texts_by_domain: dict[str, list[str]], top_k: int, device: str = "cpu") -> dict:
-    """The base's top-k log-probs, their token ids, and the correct token's log-prob, per scored token."""
+def base_record(model, tokenizer, texts_by_domain: dict[str, list[str]], top_k: int, device: str = "cpu",
+                own_rows: dict[str, list[dict]] | None = None) -> dict:
+    """The base's top-k log-probs, their token ids, and the correct token's log-prob, per scored token.
+    `own_rows`, when given, is filled per domain with the base's own per-text rows (what `text_values` of the base
+    model against this record gives) from the same forward pass: the baseline needs no second one to score itself."""
     tensors: dict[str, torch.Tensor] = {}
     for domain, texts in texts_by_domain.items():
         seqs = encode(tokenizer, texts)
         k = min(top_k, model.config.vocab_size)
         vals, idx, correct, lengths, ids_flat = [], [], [], [], []
-        for ids in seqs:
-            lp = _log_probs(model, ids, device)
-            top = lp.topk(k, dim=-1)
-            vals.append(top.values)  # float32: fp16 rounding (~1e-3) would swamp an int8 model's KL
-            idx.append(top.indices.int())
-            correct.append(lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])])
-            lengths.append(len(ids))
-            ids_flat.extend(ids)
+        with library_call("forward (fidelity)"):
+            for j, ids in enumerate(seqs):
+                lp = _log_probs(model, ids, device)
+                top = lp.topk(k, dim=-1)
+                vals.append(top.values)  # float32: fp16 rounding (~1e-3) would swamp an int8 model's KL
+                idx.append(top.indices.int())
+                correct.append(lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])])
+                lengths.append(len(ids))
+                ids_flat.extend(ids)
+                if own_rows is not None:
+                    own_rows.setdefault(domain, []).append(_row(lp, ids, top.values, top.indices.long(), domain, j))
         tensors[f"{domain}.top_logprobs"] = torch.cat(vals)
         tensors[f"{domain}.top_ids"] = torch.cat(idx)
         tensors[f"{domain}.correct_logprob"] = torch.cat(correct)
@@ -108,13 +114,18 @@ def text_values(model, base: dict, domain: str, indices: list[int] | None = None
     rows = []
     for j in range(len(lengths)) if indices is None else indices:
         ids = flat[starts[j]: starts[j + 1]]
-        lp = _log_probs(model, ids, device)
         a, b = scored[j], scored[j + 1]
-        kl, same = _kl(lp, base[f"{domain}.top_logprobs"][a:b].float(), base[f"{domain}.top_ids"][a:b].long())
-        rows.append({"domain": domain, "text": j, "tokens": len(ids) - 1, "kl": kl.tolist(),
-                     "logprob": lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist(),
-                     "same_top1": same.astype(int).tolist()})
+        rows.append(_row(_log_probs(model, ids, device), ids, base[f"{domain}.top_logprobs"][a:b].float(),
+                         base[f"{domain}.top_ids"][a:b].long(), domain, j))
     return rows
+
+
+def _row(lp: torch.Tensor, ids: list[int], top_lp: torch.Tensor, top_ids: torch.Tensor, domain: str, j: int) -> dict:
+    """One text's row: per-token KL against the base's top-k, the model's log-prob of each correct token, top-1."""
+    kl, same = _kl(lp, top_lp, top_ids)
+    return {"domain": domain, "text": j, "tokens": len(ids) - 1, "kl": kl.tolist(),
+            "logprob": lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist(),
+            "same_top1": same.astype(int).tolist()}
 
 
 def summary(rows: list[dict], base: dict, domain: str) -> dict:
@@ -148,10 +159,14 @@ def summary(rows: list[dict], base: dict, domain: str) -> dict:
 def compare(model, base: dict, domains: list[str], device: str = "cpu") -> dict:
     """Per domain: the summary (KL mean ± SE and percentiles, same top-1 ± SE, RMS Δp, PPL(Q)/PPL(base)) and,
     under `per_text`, the per-text rows it was computed from (evaluate writes those beside the per-item records)."""
-    report = {}
+    rows = {}
     for domain in domains:
         with library_call("forward (fidelity)"):
-            rows = text_values(model, base, domain, None, device)
-        report[domain] = {**summary(rows, base, domain), "per_text": rows}
-    return report
+            rows[domain] = text_values(model, base, domain, None, device)
+    return report(rows, base)
+
+
+def report(rows: dict[str, list[dict]], base: dict) -> dict:
+    """`compare`'s report from per-text rows already measured (the baseline's own, from `base_record`)."""
+    return {domain: {**summary(texts, base, domain), "per_text": texts} for domain, texts in rows.items()}
 

@@ -265,10 +265,14 @@ def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, f
         summary, items = evaluate_looks(model, tokenizer, plans, p.batch_size, p.allow_unisolated_code, baseline,
                                         compare.policy_for if compare else None, compare)
         result["probes"] = summary
-        if baseline is None:
+        if baseline is None:  # fp16 scores itself from the forward pass that makes the base file: no second one
             texts = fidelity_texts(fidelity_domains, p.fidelity_texts, p.model_dump()["probes"])
-            fidelity.save_base(fidelity.base_record(model, tokenizer, texts, p.top_k, device), fidelity_base)
-        result["fidelity"] = fidelity.compare(model, fidelity.load_base(fidelity_base), fidelity_domains, device)
+            own: dict[str, list[dict]] = {}
+            fidelity.save_base(fidelity.base_record(model, tokenizer, texts, p.top_k, device, own), fidelity_base)
+            result["fidelity"] = fidelity.report({d: own.get(d, []) for d in fidelity_domains},
+                                                 fidelity.load_base(fidelity_base))
+        else:
+            result["fidelity"] = fidelity.compare(model, fidelity.load_base(fidelity_base), fidelity_domains, device)
         result["status"] = "ok"
         return result, items
     except Exception as err:  # noqa: BLE001 - one variant's failure is that variant's result

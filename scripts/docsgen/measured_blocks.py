@@ -43,12 +43,8 @@ def render_pipeline_speed(ctx: Context, arg: str, old: list[str]) -> list[str]:
 def render_real_profile(ctx: Context, arg: str, old: list[str]) -> list[str]:
     """benchmarks/real_profile.py: the run against its goal; `stages RUN`: where RUN's time went; `seed-incident`:
     awq4 and gptq3 with and without code comments in the calibration set."""
-    data = ctx.measured("real_profile")
-    r = data["results"]
-    if arg.startswith("stages"):
-        return _stage_table(r["stages"][arg.split()[1]])
     if arg.strip() == "seed-incident":
-        incident = r["seed_incident"]
+        incident = ctx.measured("real_profile_seed_incident")["results"]["seed_incident"]
         rows = []
         for key, before in incident["full_calibration"].items():
             after = incident["without_code_comments"].get(key) or {}
@@ -68,15 +64,24 @@ def render_real_profile(ctx: Context, arg: str, old: list[str]) -> list[str]:
         return lines + ["", "`dvc exp run -S 'calibration.exclude=[code_comment]'` in the profile's workspace, after the "
                             "run above: calibrate, awq4's and gptq3's quantize and evaluate, compare and the stages after "
                             "it again" + (f"; the calibration set without code comments: {shares}." if shares else ".")]
+    if arg.startswith("stages"):  # `stages fresh` (the fanned-out run), `stages sequential`
+        run = arg.split()[1]
+        return _stage_table(ctx.measured("real_profile" if run == "fresh" else f"real_profile_{run}")["results"]
+                            ["stages"][run])
+    data = ctx.measured("real_profile")
+    r = data["results"]
     rows = [[f"fresh `quantgate repro` of profile {r['profile']} "
              f"({'the chains on a local Ray cluster' if r.get('fresh_parallel') else 'one stage after another'})",
              f"{r['fresh_minutes']:.1f} min", f"≤ {r['goal_minutes']:g} min"]]
-    if "sequential_minutes" in r:
-        rows.append(["fresh `quantgate repro --sequential` (plain `dvc repro`)", f"{r['sequential_minutes']:.1f} min",
-                     ""])
-    if "differs_from_sequential" in r:
-        rows.append(["verdict and routing rows that differ, fanned out vs sequential",
-                     ", ".join(r["differs_from_sequential"]) or "none", "none"])
+    differs = [r.get("differs_from_other_mode")]
+    if (ctx.root / "docs/measured/real_profile_sequential.json").is_file():
+        s = ctx.measured("real_profile_sequential")["results"]
+        rows.append(["fresh `quantgate repro --sequential` (plain `dvc repro`)", f"{s['sequential_minutes']:.1f} min", ""])
+        differs.append(s.get("differs_from_other_mode"))
+    for d in differs:
+        if d:
+            rows.append([f"verdict and routing rows that differ from the {d['other']} run", ", ".join(d["rows"]) or "none",
+                         "none"])
     if "gate_exit" in r:
         rows.append(["`quantgate gate` exit code", str(r["gate_exit"]), "0, 1 or 2 (decided on evidence)"])
     return table(["what", "measured", "goal"], rows) + (["", data["note"]] if data.get("note") else [])
