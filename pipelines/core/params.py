@@ -8,6 +8,7 @@ across sections) and the loader that turns a validation error into file, line an
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -22,7 +23,7 @@ from pipelines.core.params_gpus import GpusParams
 from pipelines.core.params_sections import (DEFAULT_VARIANTS, CalibrationParams, CandidateParams, CompareParams,
                                             CoverageParams, EvaluateParams, FanoutParams, MemoryParams, MlflowParams,
                                             QuantizeParams, ReferenceParams, RouteParams, VariantParams)
-from pipelines.core.paths import PARAMS_FILE
+from pipelines.core.paths import PARAMS_FILE, PROFILE_MARKER
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 VARIANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,40}$")
@@ -212,6 +213,18 @@ def _describe(err: dict, path: Path, root: yaml.Node | None) -> str:
     return f"{where}: key '{key}': {msg}{shown}"
 
 
+def profile_hint(root: Path = Path(".")) -> str:
+    """After an error about a setting: in a profile's workspace, where params.yaml is written from the checkout's
+    profiles/NAME.yaml (`quantgate profile`), the file to edit instead; elsewhere nothing."""
+    try:
+        marker = json.loads((root / PROFILE_MARKER).read_text(encoding="utf-8"))
+        name, checkout = marker["profile"], marker["store_root"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return (f" (this workspace's params.yaml is written from {checkout}/params.yaml with profiles/{name}.yaml merged "
+            f"over it: edit those, then `bash scripts/run.sh --model {name}` there)")
+
+
 def load_params(path: str | Path = PARAMS_FILE) -> Params:
     """Parse and check params.yaml; raise QuantgateError naming the file, line and key on bad input."""
     path = Path(path)
@@ -232,4 +245,4 @@ def load_params(path: str | Path = PARAMS_FILE) -> Params:
     except ValidationError as err:
         first = err.errors()[0]
         more = f" (and {err.error_count() - 1} more)" if err.error_count() > 1 else ""
-        raise QuantgateError(_describe(first, path, root) + more) from None
+        raise QuantgateError(_describe(first, path, root) + more + profile_hint(path.parent)) from None

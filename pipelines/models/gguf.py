@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
+from pipelines.core.params import profile_hint
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,13 @@ def find(spec: str) -> GgufFile:
     if not spec.startswith(PACKAGE_PREFIX):
         path = Path(spec).expanduser()
         if not path.is_file():
-            raise QuantgateError(f"params.yaml: model: {spec}: no such file (a .gguf path is read as a GGUF file)")
+            raise QuantgateError(f"params.yaml: model: {spec}: no such file (a .gguf path is read as a GGUF file)"
+                                 f"{profile_hint()}")
         return GgufFile(spec, path)
-    return _packaged(spec)
+    try:
+        return _packaged(spec)
+    except QuantgateError as err:
+        raise QuantgateError(f"{err}{profile_hint()}") from None
 
 
 def _packaged(spec: str) -> GgufFile:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
-from pipelines.core.params import HUB_ID
+from pipelines.core.params import HUB_ID, profile_hint
 from pipelines.core.paths import MANIFEST, REFERENCE_DIR
 
 
@@ -45,15 +45,16 @@ def resolve_model(spec: str) -> ModelSource:
     if path.exists():
         if not path.is_dir():
             raise QuantgateError(f"params.yaml: model: {spec} is a file; expected a checkpoint directory or a "
-                                 ".gguf file")
+                                 f".gguf file{profile_hint()}")
         if not (path / "config.json").is_file():
-            raise QuantgateError(f"params.yaml: model: {path} has no config.json; expected a Hugging Face checkpoint")
+            raise QuantgateError(f"params.yaml: model: {path} has no config.json; expected a Hugging Face checkpoint"
+                                 f"{profile_hint()}")
         return ModelSource("local", str(path))
     if HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
         return ModelSource("hub", spec)
     raise QuantgateError(
         f"params.yaml: model: {spec!r} is not 'reference', an existing checkpoint directory, a .gguf file "
-        "(or pkg:DISTRIBUTION==VERSION/FILE.gguf), or a hub id of the form org/name"
+        f"(or pkg:DISTRIBUTION==VERSION/FILE.gguf), or a hub id of the form org/name{profile_hint()}"
     )
 
 

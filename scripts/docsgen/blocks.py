@@ -52,8 +52,9 @@ RENDERERS = {
     "fanout": (render_fanout, "docs/measured/fanout.json (benchmarks/fanout.py)"),
     "quantizer-settings": (render_quantizer_settings, "docs/measured/ARG.json (benchmarks/quantizer_settings.py)"),
     "measured-table": (render_measured_rows, "docs/measured/ARG.json: a table recorded with its date and command"),
-    "real-profile": (render_real_profile, "docs/measured/real_profile.json (benchmarks/real_profile.py); `stages RUN`; "
-                                          "`seed-incident`: docs/measured/real_profile_seed_incident.json"),
+    "real-profile": (render_real_profile, "docs/measured/real_profile.json and real_profile_sequential.json "
+                                          "(benchmarks/real_profile.py); `stages fresh|sequential`; `seed-incident`: "
+                                          "docs/measured/real_profile_seed_incident.json"),
 }
 
 

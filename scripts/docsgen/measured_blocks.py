@@ -73,15 +73,17 @@ def render_real_profile(ctx: Context, arg: str, old: list[str]) -> list[str]:
     rows = [[f"fresh `quantgate repro` of profile {r['profile']} "
              f"({'the chains on a local Ray cluster' if r.get('fresh_parallel') else 'one stage after another'})",
              f"{r['fresh_minutes']:.1f} min", f"≤ {r['goal_minutes']:g} min"]]
-    differs = [r.get("differs_from_other_mode")]
     if (ctx.root / "docs/measured/real_profile_sequential.json").is_file():
-        s = ctx.measured("real_profile_sequential")["results"]
-        rows.append(["fresh `quantgate repro --sequential` (plain `dvc repro`)", f"{s['sequential_minutes']:.1f} min", ""])
-        differs.append(s.get("differs_from_other_mode"))
-    for d in differs:
-        if d:
-            rows.append([f"verdict and routing rows that differ from the {d['other']} run", ", ".join(d["rows"]) or "none",
-                         "none"])
+        seq = ctx.measured("real_profile_sequential")
+        rows.append(["fresh `quantgate repro --sequential` (plain `dvc repro`)",
+                     f"{seq['results']['sequential_minutes']:.1f} min", ""])
+        # the rows that differ, as the later of the two runs found them, only if it compared with the run shown here
+        found = [d for d, against in ((seq["results"].get("differs_from_other_mode"), data),
+                                      (r.get("differs_from_other_mode"), seq))
+                 if d and "rows" in d and d.get("other_commit") == against.get("commit")]
+        if found:
+            rows.append(["verdict and routing rows that differ, fanned out vs sequential",
+                         ", ".join(found[0]["rows"]) or "none", "none"])
     if "gate_exit" in r:
         rows.append(["`quantgate gate` exit code", str(r["gate_exit"]), "0, 1 or 2 (decided on evidence)"])
     return table(["what", "measured", "goal"], rows) + (["", data["note"]] if data.get("note") else [])
