@@ -165,7 +165,7 @@ def copy_quoted(repo: Path, dest: Path) -> None:
 def compare_runs(this: Path, other: Path, numbers: dict) -> None:
     """The verdict and routing rows that differ from the other mode's run kept beside this one, when there is one
     that ran to its end; named by the commit it ran, so the docs show it only beside that run's record."""
-    if not (other / ".quantgate-profile.json").is_file():
+    if not (other / PROFILE_MARKER).is_file():
         return
     try:
         rows = differences(this, other)
