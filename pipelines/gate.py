@@ -181,6 +181,10 @@ def render_report(result: dict, report: dict | None, table: dict | None, policy_
         lines.append("")
     if result["reasons"]:
         lines += ["### Why", ""] + [f"- {r}" for r in result["reasons"]] + [""]
+    growth = [((report or {}).get("variants", {}).get(n, {}).get("memory") or {}).get("growth_cause")
+              for n in result["gated"]]
+    if any(growth):  # why memory grows: pipelines/measure/attribution.py
+        lines += ["### Memory growth", ""] + [f"- {g}" for g in growth if g] + [""]
     if result.get("promotion"):
         promo = result["promotion"]
         lines += ["### Promotion", "", f"- {promo['status']}: {promo['detail']}", ""]

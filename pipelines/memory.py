@@ -18,7 +18,9 @@ draws the charts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -26,19 +28,25 @@ from pipelines.core import logs
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params_sections import MemoryParams
 from pipelines.core.timing import library_call
+from pipelines.measure.attribution import ALLOC_CONF_VARS, TRACE_ARTIFACTS, TRACES_INDEX
 
 log = logging.getLogger(__name__)
 
 
 def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0,
-            leak_rounds: int | None = None, max_memory: dict | None = None) -> dict:
+            leak_rounds: int | None = None, max_memory: dict | None = None, trace_dir: str | None = None) -> dict:
     """All phases for one variant, in this process; failures are recorded, never raised.
 
     `max_memory`: `gpus.max_memory` parsed (GpusParams.shares()), for variants that load across GPUs. On CUDA the
-    probe reads every GPU the model occupies, the totals are sums over them, and `devices` holds each one's."""
+    probe reads every GPU the model occupies, the totals are sums over them, and `devices` holds each one's.
+    A soak that does not settle goes on under a tracer (pipelines/measure/attribution.py), its flame graph or
+    snapshot written to `trace_dir` (default: a temporary folder)."""
+    import tempfile
+
     import torch  # here, in the isolated child: the stage's parent never loads a model
 
-    from pipelines.measure.phases import kv_bytes_per_token, soak, sweep, tensor_bytes
+    from pipelines.measure.attribution import explain, fragmentation
+    from pipelines.measure.phases import Injection, kv_bytes_per_token, soak, sweep, tensor_bytes
     from pipelines.measure.probes import describe_devices, device_breakdown, make_probe, peak_of
     from pipelines.measure.verdict import leak_verdict
     from pipelines.models.loading import load_variant, model_devices, variant_manifest
@@ -85,11 +93,21 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
         with library_call("forward (sweep)"):
             result["sweep"] = sweep(model, probe, lengths, p.decode_tokens, config.vocab_size, device, p.sweep_batch)
         result["sweep"]["theoretical_kv_bytes_per_token"] = kv_bytes_per_token(config, element)
+        inject = Injection(leak_bytes_per_round, None if leak_rounds is None else p.warmup_rounds + leak_rounds)
         with library_call("forward (soak rounds)"):
-            result["soak"] = soak(model, probe, p, max_len, config.vocab_size, device, leak_bytes_per_round, leak_rounds)
-        result["leak"] = leak_verdict(result["soak"], footprint, p)
+            result["soak"] = soak(model, probe, p, max_len, config.vocab_size, device, inject)
+        cause = fragmentation(result["soak"], footprint, p, device)
+        if result["soak"]["growth_bytes_per_round"] and p.trace_rounds and not result["soak"]["oom"]:
+            with library_call("forward (traced rounds)"):
+                out = Path(trace_dir) if trace_dir else Path(tempfile.mkdtemp(prefix="quantgate-trace-"))
+                cause = explain(model, p, max_len, config.vocab_size, device, result["soak"], out, inject)
+            if cause.get("oom"):  # more of the same traffic ran out of memory: the strongest evidence there is
+                result["soak"]["oom"] = cause["oom"]
+        result["growth_cause"] = cause
+        result["leak"] = leak_verdict(result["soak"], footprint, p, cause)
         end = probe.snapshot()  # CUDA: OOMs the allocator hit and recovered from (a library caught and retried)
         result["allocator"] = {"ooms": end["ooms"], "alloc_retries": end["alloc_retries"]}
+        result["peak_reserved_bytes"] = end.get("peak_reserved")  # CUDA: since the last sweep length, the soak included
         if "devices" in after:  # CUDA: what each GPU saw
             result["devices"] = device_breakdown(before, after, end)
             for line in describe_devices(result["devices"]):
@@ -103,11 +121,12 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
 
 
 def measure_isolated(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0,
-                     leak_rounds: int | None = None, max_memory: dict | None = None) -> dict:
+                     leak_rounds: int | None = None, max_memory: dict | None = None,
+                     trace_dir: str | None = None) -> dict:
     """`measure` in a fresh spawned process: no allocator state shared with the caller or other variants,
     and a worker that dies or runs past `memory.timeout_seconds` is that variant's recorded failure."""
     result, error = run_isolated(_measure_logged, (str(variant_dir), p, device, leak_bytes_per_round, leak_rounds,
-                                                   str(logs.current_log_file), max_memory),
+                                                   str(logs.current_log_file), max_memory, trace_dir),
                                  p.timeout_seconds, f"the process measuring {variant_dir}")
     if error:
         return {"variant": Path(variant_dir).name, "device": device, "status": "failed", "error": error}
@@ -115,35 +134,109 @@ def measure_isolated(variant_dir: str, p: MemoryParams, device: str, leak_bytes_
 
 
 def _measure_logged(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int,
-                    leak_rounds: int | None, log_file: str, max_memory: dict | None = None) -> dict:
+                    leak_rounds: int | None, log_file: str, max_memory: dict | None = None,
+                    trace_dir: str | None = None) -> dict:
     logs.setup(log_file=Path(log_file))
-    return measure(variant_dir, p, device, leak_bytes_per_round, leak_rounds, max_memory)
+    return measure(variant_dir, p, device, leak_bytes_per_round, leak_rounds, max_memory, trace_dir)
+
+
+@contextlib.contextmanager
+def cuda_allocator(setting: str | None):
+    """The allocator setting `setting` for the processes spawned inside (None: the environment's own), in both
+    variables PyTorch reads (ALLOC_CONF_VARS). Set in this parent, which never touches CUDA, so each child reads it
+    before its allocator starts. Yields the setting in force ("default" when none is)."""
+    before = {k: os.environ.get(k) for k in ALLOC_CONF_VARS}
+    if setting is not None:
+        os.environ.update({k: setting for k in ALLOC_CONF_VARS})
+    try:
+        yield next((os.environ[k] for k in ALLOC_CONF_VARS if os.environ.get(k)), "default")
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def compare_allocators(variant_dir: str, p: MemoryParams, device: str, served: dict, max_memory: dict | None,
+                       leak_bytes_per_round: int = 0, leak_rounds: int | None = None) -> dict:
+    """On CUDA, the soak again under each of `memory.compare_allocators` (the same injected leak, if any):
+    fragmentation (1 - allocated/reserved at the end), peak reserved and growth per setting, beside the served
+    setting's own. Skipped on a CPU, saying why."""
+    if device != "cuda":
+        return {"skipped": "on a CPU: PYTORCH_CUDA_ALLOC_CONF configures the CUDA caching allocator only (glibc's "
+                           "heap fragmentation is under soak.fragmentation)"}
+
+    def row(r: dict) -> dict:
+        if r.get("status") != "ok":
+            return {"status": "failed", "error": r.get("error")}
+        return {"status": "ok", "fragmentation": r["soak"]["fragmentation"]["one_minus_allocated_over_reserved"],
+                "peak_reserved_bytes": r.get("peak_reserved_bytes"),
+                "growth_bytes_per_round": r["soak"]["growth_bytes_per_round"],
+                "footprint_bytes": r["load"]["footprint_bytes"]}
+
+    rows = {served.get("allocator_setting", "default"): {**row(served), "served": True}}
+    for setting in p.compare_allocators:
+        if setting in rows:
+            continue
+        with cuda_allocator(setting):
+            rows[setting] = row(measure_isolated(variant_dir, p.model_copy(update={"trace_rounds": 0}), device,
+                                                 leak_bytes_per_round, leak_rounds, max_memory))
+    return rows
+
+
+def write_trace_index(traces: Path, result: dict) -> None:
+    """traces/<variant>/index.json: whether the growth was traced and which files a person opens (record attaches
+    them); always written, so the stage's output folder is never empty (git keeps no empty folder)."""
+    from pipelines.core.io import write_json
+
+    cause = result.get("growth_cause") or {}
+    write_json(traces / TRACES_INDEX, {"variant": result.get("variant"), "traced": bool(cause.get("tracer")),
+                                       "class": cause.get("class"),
+                                       "artifacts": sorted(f.name for f in traces.iterdir() if f.name in TRACE_ARTIFACTS)})
 
 
 def main(variant: str, failed_because: str | None = None, inject_leak_bytes: int = 0,
          inject_leak_rounds: int | None = None) -> int:
     """Stage `memory@<variant>`: measure one variant's memory in a fresh process; a variant that failed earlier is
     recorded as failed."""
+    import shutil
+
     from pipelines.core.io import write_json
     from pipelines.core.params import load_params
-    from pipelines.core.paths import MEMORY_RESULTS, VARIANTS_DIR
+    from pipelines.core.paths import MEMORY_RESULTS, MEMORY_TRACES, VARIANTS_DIR
     from pipelines.models.loading import resolve_device
 
     params = load_params()
     params.model_under_test(variant)
     device = resolve_device(params.device)
+    traces = MEMORY_TRACES / variant  # an output of the stage even when nothing grew: then only its index
+    shutil.rmtree(traces, ignore_errors=True)
+    traces.mkdir(parents=True)
     if failed_because:  # `quantgate fanout` records a run that died outside the stage (docs/fanout.md)
         write_json(MEMORY_RESULTS / f"{variant}.json", {"variant": variant, "device": device, "status": "failed",
                                                         "error": failed_because})
+        write_trace_index(traces, {})
         log.warning("memory %s: recorded as FAILED (%s)", variant, failed_because)
         return 0
-    with logs.progress(total=1, desc=f"memory {variant} ({device})", bar_format="{desc}: {elapsed}") as bar:
-        result = measure_isolated(str(VARIANTS_DIR / variant), params.memory, device, inject_leak_bytes,
-                                  inject_leak_rounds, params.gpus.shares())
+    p = params.memory
+    with logs.progress(total=1 + len(p.compare_allocators) * (device == "cuda"), desc=f"memory {variant} ({device})",
+                       bar_format="{desc}: {n}/{total} {elapsed}") as bar:
+        with cuda_allocator(p.allocator if device == "cuda" else None) as setting:
+            result = measure_isolated(str(VARIANTS_DIR / variant), p, device, inject_leak_bytes,
+                                      inject_leak_rounds, params.gpus.shares(), str(traces))
+        if device == "cuda":
+            result["allocator_setting"] = setting
         bar.update()
-    if inject_leak_bytes:
-        result["injected_leak"] = {"bytes_per_round": inject_leak_bytes, "rounds": inject_leak_rounds}
-    write_json(MEMORY_RESULTS / f"{variant}.json", result)
+        if inject_leak_bytes:
+            result["injected_leak"] = {"bytes_per_round": inject_leak_bytes, "rounds": inject_leak_rounds}
+        write_json(MEMORY_RESULTS / f"{variant}.json", result)  # kept if a comparison below is killed
+        if result["status"] == "ok":
+            result["allocators"] = compare_allocators(str(VARIANTS_DIR / variant), p, device, result,
+                                                      params.gpus.shares(), inject_leak_bytes, inject_leak_rounds)
+            bar.update(len(p.compare_allocators) * (device == "cuda"))
+            write_json(MEMORY_RESULTS / f"{variant}.json", result)
+    write_trace_index(traces, result)
     if result["status"] == "ok":
         sw = result["sweep"]
         log.info("memory %s: footprint %s B, KV %.0f B/token fitted (theory %d), soak: %s",

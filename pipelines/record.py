@@ -26,7 +26,7 @@ from pipelines.core.errors import QuantgateError
 from pipelines.core.io import read_json, read_jsonl, sha256_file
 from pipelines.core.params import DERIVED_FROM_REQUESTS, Params
 from pipelines.core.paths import (BASELINE, BUILT_DIR, COMPARE_REPORT, COMPARE_TABLE, COVERAGE_DIR, DVC_LOCK, EVAL_DIR,
-                                  EVAL_RESULTS, KSERVE_DIR, MANIFEST, MEMORY_RESULTS, MEMORY_SUMMARY, MLARTIFACTS,
+                                  EVAL_RESULTS, KSERVE_DIR, MANIFEST, MEMORY_RESULTS, MEMORY_SUMMARY, MEMORY_TRACES, MLARTIFACTS,
                                   PARAMS_FILE, PLOTS_DIR, QUANTIZE_RESULTS, REFERENCE_REPORT, RESULTS, ROLLOUT_PLAN,
                                   ROUTING_TABLE, SHADOW_METRICS, SHADOW_REPORT, VARIANTS_DIR)
 from pipelines.judging.comparison import flat_rows
@@ -94,6 +94,13 @@ def _log_files(files: list[Path], artifact_path: str | None = None) -> None:
     for path in files:
         if path.is_file():
             mlflow.log_artifact(str(path), artifact_path)
+
+
+def _trace_files(folder: Path) -> list[Path]:
+    """The files a person opens from the memory stage's trace folder, as its index.json lists them
+    (pipelines/memory.py write_trace_index): a flame graph, a CUDA snapshot, or none."""
+    index = folder / "index.json"
+    return [folder / name for name in (read_json(index).get("artifacts") or [])] if index.is_file() else []
 
 
 def record_pipeline(params: Params, tracking_uri: str, digest: str, commit: dict, root: Path = Path("."),
@@ -191,6 +198,9 @@ def _record_child(name: str, report: dict, params: Params, root: Path, digest: s
             "verdict": "baseline" if name == BASELINE else row["verdict"],
             "checkpoint_sha256": checkpoint_sha256(manifest), RUN_TYPE_TAG: RUN_TYPE_EVALUATION,
             "mlflow.note.content": child_description(name, row)}
+    if (memory or {}).get("growth_class"):  # why its memory grows (pipelines/measure/attribution.py)
+        tags["memory.growth"] = memory["growth_class"]
+        tags["memory.growth_cause"] = (memory.get("growth_cause") or "")[:4000]
     for domain, d in ((row or {}).get("domains") or {}).items():
         tags[f"verdict.{domain}"] = d["verdict"]
         if d["verdict"] != "pass":
@@ -201,6 +211,8 @@ def _record_child(name: str, report: dict, params: Params, root: Path, digest: s
         mlflow.log_params(child_params(manifest, settings))
         mlflow.log_metrics(child_metrics(name, report, evaluation, manifest, memory, timing))
         _log_files([manifest_path, eval_path, root / MEMORY_RESULTS / f"{name}.json"], "results")
+        # why its memory grew, for a person: memray's flame graph (CPU) or the snapshot memory_viz reads (CUDA)
+        _log_files(_trace_files(root / MEMORY_TRACES / name), "memory")
         _log_files([root / EVAL_RESULTS / name / "items.jsonl"], "eval")
         _log_files(sorted((root / PLOTS_DIR).glob("*.png")), "plots")  # where this variant stands among the rest
         if (manifest or {}).get("calibration"):

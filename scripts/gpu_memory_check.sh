@@ -5,7 +5,10 @@
 # its memory stage (allocator stats and NVML), then memory-report. Sized to finish in under 10 minutes on one H100/H200.
 # With more than one GPU visible it then measures fp16 and int8 again with gpus.max_memory set to 75 % of each
 # variant's weights per GPU, so each must load across GPUs (OUT_DIR/multi_gpu/<variant>.json, with the per-device
-# breakdown under `devices`); with one GPU it says that path was not exercised.
+# breakdown under `devices`); with one GPU it says that path was not exercised. Last, fp16 once more with 4 MiB a round
+# kept alive (--inject-leak-bytes): the growth traced (the CUDA allocator's recorded history on a GPU) must be called a
+# leak at the injecting function, and the soak is repeated under expandable_segments:True and backend:cudaMallocAsync
+# (OUT_DIR/attribution/: fp16.json with growth_cause and allocators, traces/ with the snapshot memory_viz reads).
 #
 #   bash scripts/gpu_memory_check.sh --prepare   # here, on a machine that reaches PyPI: the wheels -> .gpu_wheels/
 #   bash scripts/gpu_memory_check.sh [OUT_DIR]   # there, from the repository root (the git working tree + .gpu_wheels/)
@@ -102,12 +105,42 @@ elif [ "$DEVICE" = cuda ]; then
 else
   step "device $DEVICE: the CUDA path (allocator stats, NVML, several GPUs) was NOT exercised by this run"
 fi
+step "why memory grows: fp16 again with 4 MiB/round injected, traced (${DEVICE}); allocators compared (CUDA only)"
+mkdir -p results/attribution
+cp params.yaml params.plain.yaml
+"$PY" - <<'PY'
+import yaml
+params = yaml.safe_load(open("params.yaml"))
+# 10 soak rounds (it grows, so the soak runs to max_rounds) and 10 traced: bounded time, three thirds to compare
+params["memory"].update(rounds=10, max_rounds=10, trace_rounds=max(10, params["memory"]["tail_rounds"] + 2),
+                        compare_allocators=["expandable_segments:True", "backend:cudaMallocAsync"])
+yaml.safe_dump(params, open("params.yaml", "w"), sort_keys=False)
+PY
+cp "results/memory/fp16.json" results/fp16.clean.json
+"${QG[@]}" memory fp16 --inject-leak-bytes 4194304
+cp "results/memory/fp16.json" results/attribution/fp16.json
+cp -r results/memory/traces/fp16 results/attribution/traces && rm -rf results/memory/traces/fp16/*
+mv results/fp16.clean.json results/memory/fp16.json
+mv params.plain.yaml params.yaml
+"$PY" - <<'PY'
+import json
+r = json.load(open("results/attribution/fp16.json"))
+cause = r.get("growth_cause") or {}
+top = (cause.get("sites") or [{}])[0]
+print(f"fp16 + 4 MiB/round: {cause.get('class')} by {cause.get('tracer')}: top site {top.get('frame')} "
+      f"({(top.get('share') or 0):.0%}), {cause.get('seconds')} s for {cause.get('traced_rounds')} traced rounds")
+print("  ATTRIBUTION OK" if cause.get("class") == "leak" and "after_round" in (top.get("frame") or "")
+      else f"  ATTRIBUTION NOT SHOWN: {cause}")
+for setting, row in (r.get("allocators") or {}).items():
+    print(f"  allocator {setting}: {row}")
+PY
 cd "$ROOT"
 mkdir -p "$OUT"
-rm -rf "$OUT/memory" "$OUT/multi_gpu"
+rm -rf "$OUT/memory" "$OUT/multi_gpu" "$OUT/attribution"
 cp -r "$WORK/results/memory" "$WORK/results/memory_summary.json" "$WORK/skipped.json" "$OUT"/
 for f in "$WORK"/results/plots/*.png; do [ -e "$f" ] && cp "$f" "$OUT"/; done
 cp -r "$WORK/results/multi_gpu" "$OUT"/ 2>/dev/null || true
+cp -r "$WORK/results/attribution" "$OUT"/ 2>/dev/null || true
 cp "$WORK/logs/quantgate.log" "$OUT"/ 2>/dev/null || true
 cat "$OUT/memory_summary.json"
 step "done in ${SECONDS}s -> $OUT"

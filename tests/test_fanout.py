@@ -43,6 +43,11 @@ def test_the_chain_stages_are_dvc_yamls_with_their_commands_and_order():
     # Ray keeps the order within a resource shape)
     assert order[:2] == ["quantize@fp16", "baseline"]
     assert stages["memory@int8"].timeout == params.memory.timeout_seconds + params.fanout.timeout_margin_seconds
+    # each allocator the memory stage compares (CUDA) is one more measuring process, with its own timeout
+    compared = params.model_copy(update={"memory": params.memory.model_copy(
+        update={"compare_allocators": ["expandable_segments:True", "backend:cudaMallocAsync"]})})
+    assert tasks.chain_stages(compared)["memory@int8"].timeout == (3 * params.memory.timeout_seconds
+                                                                   + params.fanout.timeout_margin_seconds)
 
 
 def test_a_changed_stage_reruns_everything_after_it():

@@ -287,6 +287,13 @@ def test_the_check_runs_end_to_end_on_cpu_as_on_the_machine(machine, tmp_path):
         result = json.loads((out / "memory" / f"{name}.json").read_text())
         assert result["status"] == "ok" and result["device"] == "cpu"
     assert not list(out.glob("*.png"))
+    # the attribution step: on a CPU it needs memray, which the GPU machine lacks (its CUDA path does not): the
+    # tracer's failure is recorded, the injected growth still judged a leak; allocators are CUDA-only, and say so
+    traced = json.loads((out / "attribution" / "fp16.json").read_text())
+    assert traced["growth_cause"]["status"] == "failed" and "memray" in traced["growth_cause"]["error"]
+    assert traced["leak"]["leak"] is True and "skipped" in traced["allocators"]
+    assert "ATTRIBUTION NOT SHOWN" in done.stdout
+    assert json.loads((out / "memory" / "fp16.json").read_text()).get("injected_leak") is None  # the clean run kept
     assert sorted(p for p in tree.rglob("*") if ".gpu_wheels" not in p.parts) == before  # all in a temporary folder
     print(f"end to end in {seconds:.0f} s")
 

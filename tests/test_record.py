@@ -108,6 +108,30 @@ def test_the_classifiers_accuracy_is_logged_on_the_parent_run(tmp_path):
     assert "plots/classifier_confusion.png" in plots
 
 
+def test_a_variants_memory_flame_graph_is_on_its_child_run(tmp_path):
+    """What the memory stage's tracer left (results/memory/traces/<variant>/) goes to that variant's run only."""
+    built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "int8": {d: correctness(N, 300) for d in ("math", "code")},
+                                        "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
+    from pipelines.memory import write_trace_index
+
+    traces = tmp_path / "results/memory/traces"
+    (traces / "int8").mkdir(parents=True)
+    (traces / "awq4").mkdir()
+    (traces / "int8" / "flamegraph.html").write_text("<html>after_round</html>")
+    (traces / "int8" / "trace.bin.partial").write_text("a capture a killed trace left")  # not listed: not logged
+    write_trace_index(traces / "int8", {"variant": "int8", "growth_cause": {"tracer": "memray", "class": "leak"}})
+    write_trace_index(traces / "awq4", {"variant": "awq4"})
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
+                                     artifact_root=tmp_path / "artifacts")
+    client = MlflowClient(uri)
+    runs = {r.data.tags["quantgate.variant"]: r.info.run_id for r in client.search_runs(
+        [summary["experiment_id"]]) if "quantgate.variant" in r.data.tags}
+    assert [a.path for a in client.list_artifacts(runs["int8"], "memory")] == ["memory/flamegraph.html"]
+    assert client.list_artifacts(runs["awq4"], "memory") == [] == client.list_artifacts(runs["fp16"], "memory")
+
+
 def test_the_shadow_replay_is_a_child_run_with_its_numbers_tables_plots_and_rollout(tmp_path):
     from tests.handmade import rerun_compare, write_shadow
     from tests.store_helpers import answers

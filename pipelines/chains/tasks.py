@@ -56,7 +56,9 @@ class Stage:
 def chain_stages(params) -> dict[str, Stage]:
     """Every per-variant stage of dvc.yaml in dependency order (the commands are dvc.yaml's: tested)."""
     margin = params.fanout.timeout_margin_seconds
-    quantize_t, memory_t = params.quantize.timeout_seconds + margin, params.memory.timeout_seconds + margin
+    # the memory stage measures once more per allocator it compares (CUDA), each in its own process and timeout
+    memory_t = params.memory.timeout_seconds * (1 + len(params.memory.compare_allocators)) + margin
+    quantize_t = params.quantize.timeout_seconds + margin
     evaluate_t = params.evaluate.timeout_seconds + margin
     stages: dict[str, Stage] = {}
     # fp16's quantize, then the baseline, ahead of every other quantize and memory stage: every evaluate waits for the

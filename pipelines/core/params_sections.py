@@ -195,6 +195,12 @@ class MemoryParams(Section):
     timeout_seconds: int = Field(1800, gt=0)  # the measuring process is killed after this
     sweep_batch: int = Field(8, gt=0)
     threads: int = Field(2, gt=0)
+    # a soak that does not settle runs this many more rounds under a tracer (pipelines/measure/attribution.py)
+    trace_rounds: int = Field(24, ge=0)
+    # CUDA: the PYTORCH_CUDA_ALLOC_CONF the service runs with (null: the environment's, else PyTorch's default); the
+    # stage measures under it, so the routing table's memory cost is the served one
+    allocator: str | None = None
+    compare_allocators: list[str] = []  # CUDA: also soak under these settings, fragmentation and peak reserved each
 
     @model_validator(mode="after")
     def _check(self):
@@ -203,6 +209,9 @@ class MemoryParams(Section):
         if not self.tail_rounds <= self.rounds <= self.max_rounds:
             raise ValueError(f"need memory.tail_rounds <= memory.rounds <= memory.max_rounds, got {self.tail_rounds}, "
                              f"{self.rounds}, {self.max_rounds}")
+        if self.trace_rounds and self.trace_rounds < max(6, self.tail_rounds + 2):
+            raise ValueError(f"memory.trace_rounds must be 0 (never trace) or at least max(6, tail_rounds + 2) = "
+                             f"{max(6, self.tail_rounds + 2)}: fewer cannot show growth stop; got {self.trace_rounds}")
         if self.short_fraction >= self.long_fraction:  # the soak alternates short and long requests
             raise ValueError(f"memory.short_fraction {self.short_fraction:g} must be below long_fraction {self.long_fraction:g}")
         return self

@@ -36,6 +36,7 @@ COVERAGE_DIR = RESULTS / "calibration"  # calibrate: coverage and classifier rep
 REFERENCE_REPORT = RESULTS / "reference.json"
 QUANTIZE_RESULTS = RESULTS / "quantize"  # quantize: <variant>.json, status and timings
 MEMORY_RESULTS = RESULTS / "memory"  # memory: <variant>.json
+MEMORY_TRACES = MEMORY_RESULTS / "traces"  # memory: <variant>/ the flame graph (CPU) or CUDA snapshot of a growth
 MEMORY_SUMMARY = RESULTS / "memory_summary.json"  # memory-report: compare and record read it
 BASELINE_RESULTS = RESULTS / "baseline"  # baseline: fp16's answers to every look
 FIDELITY_BASE = BASELINE_RESULTS / "fidelity.safetensors"  # baseline: fp16's next-token distributions

@@ -82,7 +82,8 @@ def _memory_summary(row: dict | None, base: dict | None) -> dict | None:
         return None
     out = {k: row.get(k) for k in ("footprint_bytes", "footprint_saving_pct", "growth_excess_pct",
                                    "growth_bytes_per_request", "leak", "oom", "fitted_bytes_per_token",
-                                   "theoretical_kv_bytes_per_token", "fragmentation")}
+                                   "theoretical_kv_bytes_per_token", "fragmentation", "growth_class",
+                                   "growth_cause")}
     if base and base.get("status") == "ok":
         out["footprint_delta_bytes"] = row["footprint_bytes"] - base["footprint_bytes"]
         out["peak_delta_by_tokens"] = {t: (p - base["peak_by_tokens"].get(t)) if usable(p) and usable(base["peak_by_tokens"].get(t)) else None

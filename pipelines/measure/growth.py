@@ -23,7 +23,7 @@ def theil_sen(xs: list[float], ys: list[float]) -> float:
     return float(stats.theilslopes(np.asarray(ys, float), np.asarray(xs, float))[0])
 
 
-def _median3(values: list[float]) -> list[float]:
+def median3(values: list[float]) -> list[float]:
     """Running median of three: one-off spikes (a single allocation in one round) vanish, steps stay."""
     if len(values) < 3:
         return list(values)
@@ -37,7 +37,7 @@ def warmup_end(values: list[float], tail: int, floor: float) -> int | None:
     then grows again is growth. What comes before the returned round is warm-up: caches and pools filling,
     which stops; a leak never settles. A leak that grows in steps rarer than every `tail` rounds can look
     settled: raise `memory.tail_rounds` to look for slower ones."""
-    smooth = _median3(values)
+    smooth = median3(values)
     for start in range(0, len(smooth) - tail + 1):
         low, rise = smooth[start], 0.0
         for value in smooth[start:]:

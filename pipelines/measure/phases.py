@@ -108,34 +108,52 @@ def sweep(model, probe, lengths: list[int], decode_tokens: int, vocab: int, devi
             "kv_cache_bytes_per_token": slope([r["tokens"] for r in ok], [r["kv_cache_bytes"] for r in ok])}
 
 
-@torch.no_grad()
-def soak(model, probe, p: MemoryParams, max_len: int, vocab: int, device: str, leak_bytes_per_round: int = 0,
-         leak_rounds: int | None = None) -> dict:
-    """Warm-up rounds, then measured rounds of mixed traffic until growth has stopped or max_rounds is reached.
+class Injection:
+    """The self-test's leak: `bytes_per_round` kept alive after each round (only while `round < until`, if set).
+    Held here, not in the soak, so the traced rounds that follow (pipelines/measure/attribution.py) go on leaking
+    from the same place: the tracer must name this method as the site."""
 
-    A round is what hurts allocators in production: a burst of long requests batched together, then
-    short and long requests alternating (which leaves holes in the cache). After `rounds` measured rounds,
-    while memory has not settled (warmup_end), more rounds run, up to `max_rounds`: caches that fill up
-    stop growing, a leak does not. `leak_bytes_per_round` keeps
-    that many bytes alive per round (for the first `leak_rounds` rounds only, if given): the self-test
-    that a leak is caught and a warm-up that plateaus is not.
+    def __init__(self, bytes_per_round: int = 0, until: int | None = None):
+        self.bytes_per_round, self.until, self.kept = bytes_per_round, until, []
+
+    def after_round(self, r: int, device: str) -> None:
+        if self.bytes_per_round and (self.until is None or r < self.until):
+            self.kept.append(torch.ones(self.bytes_per_round // 4, dtype=torch.float32, device=device))
+
+
+@torch.no_grad()
+def run_round(model, p: MemoryParams, max_len: int, vocab: int, device: str, r: int) -> None:
+    """One round of mixed traffic: a burst of long requests batched together, then short and long requests
+    alternating (which leaves holes in the cache). `r` seeds the token ids."""
+    long_len = max(2, int(max_len * p.long_fraction))
+    short_len = max(2, int(max_len * p.short_fraction))
+    model(_ids(long_len - p.decode_tokens, p.burst_size, vocab, device, r), use_cache=True, logits_to_keep=1)
+    for k in range(p.alternations):
+        n = long_len if k % 2 else short_len
+        model.generate(_ids(n - p.decode_tokens, 1, vocab, device, 1000 * r + k), max_new_tokens=p.decode_tokens,
+                       do_sample=False, pad_token_id=0)
+
+
+@torch.no_grad()
+def soak(model, probe, p: MemoryParams, max_len: int, vocab: int, device: str, inject: Injection | None = None) -> dict:
+    """Warm-up rounds, then measured rounds of mixed traffic (run_round) until growth has stopped or max_rounds is
+    reached.
+
+    After `rounds` measured rounds, while memory has not settled (warmup_end), more rounds run, up to `max_rounds`:
+    caches that fill up stop growing, a leak does not. `inject` (the self-test) keeps bytes alive per round.
+    `rounds_run` in the result counts every round, warm-up included: the traced rounds go on from there.
     """
     long_len = max(2, int(max_len * p.long_fraction))
     short_len = max(2, int(max_len * p.short_fraction))
-    kept: list[torch.Tensor] = []
     samples = []
     oom = None
     r = 0
     signal = None
     while True:
         try:
-            model(_ids(long_len - p.decode_tokens, p.burst_size, vocab, device, r), use_cache=True, logits_to_keep=1)
-            for k in range(p.alternations):
-                n = long_len if k % 2 else short_len
-                model.generate(_ids(n - p.decode_tokens, 1, vocab, device, 1000 * r + k), max_new_tokens=p.decode_tokens,
-                               do_sample=False, pad_token_id=0)
-            if leak_bytes_per_round and (leak_rounds is None or r < p.warmup_rounds + leak_rounds):
-                kept.append(torch.ones(leak_bytes_per_round // 4, dtype=torch.float32, device=device))
+            run_round(model, p, max_len, vocab, device, r)
+            if inject:
+                inject.after_round(r, device)
         except Exception as err:  # noqa: BLE001 - only an OOM is a result; anything else is the variant's failure
             if not is_oom(err):
                 raise
@@ -156,9 +174,10 @@ def soak(model, probe, p: MemoryParams, max_len: int, vocab: int, device: str, l
     values = [s[signal] for s in samples] if signal else []
     end = probe.snapshot()
     requests = p.burst_size + p.alternations
-    result = {
+    return {
         "signal": signal,
         "rounds": samples,
+        "rounds_run": r,
         "requests_per_round": requests,
         "long_tokens": long_len,
         "short_tokens": short_len,
@@ -174,5 +193,3 @@ def soak(model, probe, p: MemoryParams, max_len: int, vocab: int, device: str, l
         },
         "oom": oom,
     }
-    del kept
-    return result

@@ -7,6 +7,7 @@ stage (pipelines/memory.py) read the numbers without asking which device they ca
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import logging
 import threading
@@ -23,13 +24,21 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
-def _mallinfo2() -> _MallInfo2 | None:
+@functools.cache
+def _mallinfo2_function():
+    """glibc's mallinfo2, looked up once: a CDLL made per reading kept ~1.7 KB alive each soak round (the tracer
+    found it, pipelines/measure/attribution.py)."""
     try:
         fn = ctypes.CDLL("libc.so.6").mallinfo2
     except (OSError, AttributeError):  # not glibc >= 2.33
         return None
     fn.restype = _MallInfo2
-    return fn()
+    return fn
+
+
+def _mallinfo2() -> _MallInfo2 | None:
+    fn = _mallinfo2_function()
+    return fn() if fn is not None else None
 
 
 class CpuProbe:

@@ -12,12 +12,33 @@ from pipelines.core.params_sections import MemoryParams
 from pipelines.core.paths import BASELINE
 
 
-def leak_verdict(soak_result: dict, footprint: int, p: MemoryParams) -> dict:
+def leak_verdict(soak_result: dict, footprint: int, p: MemoryParams, cause: dict | None = None) -> dict:
     """Leak when memory never settled (it still grows at the last round) and the growth rate over `rounds`
-    rounds exceeds leak_tolerance_pct of the load footprint. Warm-up that plateaus is not a leak."""
+    rounds exceeds leak_tolerance_pct of the load footprint. Warm-up that plateaus is not a leak, nor is growth
+    the tracer saw stop (`cause`, pipelines/measure/attribution.py): a bounded cache, whose final size is then
+    judged as growth against fp16 (summarize). Fragmentation on CUDA (the reserve grows while the bytes in use
+    settled) is judged by the same rule on the reserve's growth."""
     rate = soak_result.get("growth_bytes_per_round")
+    if (cause or {}).get("class") == "fragmentation" and cause.get("judged") and footprint > 0:
+        reserved = cause["reserved_growth_bytes_per_round"]
+        pct = 100 * reserved * p.rounds / footprint
+        return {"leak": pct > p.leak_tolerance_pct, "growth_bytes_per_round": reserved,
+                "projected_growth_bytes": reserved * p.rounds, "growth_pct_of_footprint": pct,
+                "tolerance_pct": p.leak_tolerance_pct, "noise_floor_bytes": p.noise_floor_bytes,
+                "class": "fragmentation",
+                "reason": f"the bytes in use settled, the allocator's reserve did not: {cause['evidence']}; judged on "
+                          f"the reserve: {pct:.3f} % of the load footprint over {p.rounds} rounds (tolerance "
+                          f"{p.leak_tolerance_pct} %)"}
     if rate is None or not math.isfinite(rate) or footprint <= 0:
         return {"leak": None, "reason": "too few measured rounds or no footprint to judge"}
+    if (cause or {}).get("class") == "cache" and cause.get("status") == "ok":
+        pct = 100 * cause["size_bytes"] / footprint
+        return {"leak": False, "growth_bytes_per_round": 0.0, "projected_growth_bytes": cause["size_bytes"],
+                "growth_pct_of_footprint": pct, "tolerance_pct": p.leak_tolerance_pct,
+                "noise_floor_bytes": p.noise_floor_bytes, "class": "cache",
+                "reason": f"grew {rate:,.0f} B/round in the soak, then stopped under the tracer: a bounded cache, not a "
+                          f"leak; its {cause['size_bytes']:,} B ({pct:.3f} % of the load footprint) count as growth "
+                          f"against fp16"}
     projected = rate * p.rounds
     pct = 100 * projected / footprint
     leak = pct > p.leak_tolerance_pct
@@ -28,8 +49,23 @@ def leak_verdict(soak_result: dict, footprint: int, p: MemoryParams) -> dict:
              f"of {measured} rounds")
     return {"leak": leak, "growth_bytes_per_round": rate, "projected_growth_bytes": projected,
             "growth_pct_of_footprint": pct, "tolerance_pct": p.leak_tolerance_pct, "noise_floor_bytes": p.noise_floor_bytes,
+            "class": (cause or {}).get("class"),
             "reason": f"{state}; over {p.rounds} rounds that is {pct:.3f} % of the load footprint: "
-                      f"{'a leak' if leak else 'not a leak'} (tolerance {p.leak_tolerance_pct} %)"}
+                      f"{'a leak' if leak else 'not a leak'} (tolerance {p.leak_tolerance_pct} %)"
+                      + (f"; {cause['class']}: {cause.get('evidence') or cause.get('error')}" if cause else "")}
+
+
+def projected_growth(r: dict, p: MemoryParams, baseline: bool = False) -> float | None:
+    """Bytes a variant's memory grows by over `rounds` rounds: a bounded cache's final size, judged fragmentation's
+    reserve growth, else the soak's growth rate (0 once settled) times `rounds`. For the baseline, what is
+    subtracted from every variant's: a cache counts 0 (its size is not a lower bound), the rest as measured."""
+    judged = r.get("leak") or {}
+    if judged.get("class") == "cache":
+        return 0.0 if baseline else judged["projected_growth_bytes"]
+    if judged.get("class") == "fragmentation" and not baseline:
+        return judged["projected_growth_bytes"]
+    growth = r["soak"]["growth_bytes_per_round"]
+    return None if growth is None else growth * p.rounds
 
 
 def _ooms(r: dict) -> str | None:
@@ -42,17 +78,34 @@ def _ooms(r: dict) -> str | None:
     return "; ".join(ooms) or None
 
 
+def describe(variant: str, cause: dict | None) -> str | None:
+    """One line for results/report.md: what grows, how fast, of what class, and where."""
+    if not cause:
+        return None
+    if cause["class"] == "fragmentation":
+        return f"{variant}: fragmentation: {cause['evidence']}"
+    if cause.get("status") == "failed":
+        return f"{variant}: grows, cause not traced: {cause['error']}"
+    top = (cause.get("sites") or [None])[0]
+    rate = cause.get("soak_growth_bytes_per_round") or 0
+    where = (f"{top['share']:.0%} under {top['frame'] or top['native']} in {top['library']}"
+             if top and top.get("share") else "no allocation site found")
+    label = {"cache": f"a bounded cache of {cause.get('size_bytes', 0) / 1e6:.2f} MB",
+             "leak": "a leak", "unbounded": "unbounded growth"}[cause["class"]]
+    return f"{variant} grows {rate / 1e6:.2f} MB/round in the soak, {label}: {where}"
+
+
 def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = BASELINE) -> dict:
     """Per variant: footprint, peaks, growth rate, leak verdict, OOM, and growth_excess_pct against fp16.
 
-    growth_excess_pct = 100 x (variant's growth rate - fp16's) x `rounds` / fp16's footprint, where the growth
-    rate is 0 for memory that settled (warm-up that plateaus counts as nothing) and the last rounds' slope for
-    memory that never did: extra growth on a common denominator, so 3 % means 'grows 3 % of an fp16 model more
-    over the rounds'.
+    growth_excess_pct = 100 x (variant's projected growth - fp16's) / fp16's footprint, where the projected growth
+    is 0 for memory that settled (warm-up that plateaus counts as nothing), a bounded cache's final size for growth
+    the tracer saw stop, and the last rounds' slope x `rounds` for memory that never did: extra growth on a common
+    denominator, so 3 % means 'grows 3 % of an fp16 model more over the rounds'.
     """
     base = results.get(baseline)
     base_ok = bool(base) and base.get("status") == "ok"
-    base_growth = base["soak"]["growth_bytes_per_round"] if base_ok else None
+    base_growth = projected_growth(base, p, baseline=True) if base_ok else None
     rows = {}
     for name, r in results.items():
         if r.get("status") != "ok":
@@ -69,9 +122,12 @@ def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = BASELIN
                "growth_bytes_per_request": None if growth is None else growth / r["soak"]["requests_per_round"],
                "leak": r["leak"]["leak"], "oom": _ooms(r),
                "fragmentation": r["soak"]["fragmentation"]["one_minus_allocated_over_reserved"],
+               "growth_class": (r.get("growth_cause") or {}).get("class"),
+               "growth_cause": describe(name, r.get("growth_cause")),
                "growth_excess_pct": None}
-        if base_ok and growth is not None and base_growth is not None:
-            row["growth_excess_pct"] = 100 * (growth - base_growth) * p.rounds / base["load"]["footprint_bytes"]
+        projected = projected_growth(r, p)
+        if base_ok and projected is not None and base_growth is not None:
+            row["growth_excess_pct"] = 100 * (projected - base_growth) / base["load"]["footprint_bytes"]
         if base_ok:
             row["footprint_saving_pct"] = 100 * (1 - r["load"]["footprint_bytes"] / base["load"]["footprint_bytes"])
         rows[name] = row

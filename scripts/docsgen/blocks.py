@@ -13,7 +13,7 @@ from .compare_blocks import (render_gate_summary, render_history_row, render_mar
                              render_verdicts)
 from .measured_blocks import (render_admission_cost, render_evaluate_overhead, render_fanout, render_gate_operating,
                               render_measured_rows, render_pipeline_speed, render_quantize_overhead,
-                              render_quantizer_settings, render_real_profile)
+                              render_quantizer_settings, render_real_profile, render_trace_overhead)
 from .params_blocks import render_params
 from .result_blocks import (render_classifier, render_shadow_agreement, render_coverage, render_eval_accuracy, render_eval_fidelity,
                             render_memory, render_quantize, render_reference, render_reference_history)
@@ -50,6 +50,7 @@ RENDERERS = {
     "admission-cost": (render_admission_cost, "docs/measured/admission_cost.json (benchmarks/admission_cost.py)"),
     "evaluate-overhead": (render_evaluate_overhead, "docs/measured/evaluate_overhead.json"),
     "fanout": (render_fanout, "docs/measured/fanout.json (benchmarks/fanout.py)"),
+    "trace-overhead": (render_trace_overhead, "docs/measured/trace_overhead.json (benchmarks/trace_overhead.py)"),
     "quantizer-settings": (render_quantizer_settings, "docs/measured/ARG.json (benchmarks/quantizer_settings.py)"),
     "measured-table": (render_measured_rows, "docs/measured/ARG.json: a table recorded with its date and command"),
     "real-profile": (render_real_profile, "docs/measured/real_profile.json and real_profile_sequential.json "

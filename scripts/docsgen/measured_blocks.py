@@ -191,6 +191,26 @@ def render_evaluate_overhead(ctx: Context, arg: str, old: list[str]) -> list[str
     return lines + table(["what", "bare", "through quantgate", "ratio", "goal"], rows)
 
 
+def render_trace_overhead(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    """benchmarks/trace_overhead.py: a growing soak's rounds with and without the tracer, and what it named."""
+    r = ctx.measured("trace_overhead")["results"]
+    inj, own = r["injected"], r["own_growth"]
+    rows = [["seconds per round", f"{r['untraced_seconds_per_round']:.2f}", f"{r['traced_seconds_per_round']:.2f}",
+             f"**×{r['overhead_ratio']:.2f}**"],
+            [f"reading the capture, drawing the flame graph ({r['rounds']} rounds)", "–",
+             f"{r['analysis_seconds']:.1f} s", f"{r['analysis_seconds'] / r['rounds']:.1f} s a round"]]
+    lines = [f"`{r['variant']}`, context {r['context_tokens']} tokens, {r['rounds']} rounds each way, "
+             f"{r['leak_bytes_per_round']:,} B kept alive per round (the Intel int8 rate).", ""]
+    lines += table(["", "untraced", "traced", "ratio"], rows)
+    lines += ["", f"Injected: **{inj['class']}**, {pct(inj['top_share'])} under `{inj['top_site']}` in "
+                  f"{inj['top_library']} ({inj['grew_per_round']:,.0f} B a round grew between traced round ends); "
+                  f"capture {inj['capture_bytes'] / 1e6:,.0f} MB (deleted once read), flame graph "
+                  f"{r['flamegraph_bytes'] / 1e3:,.0f} KB. Nothing injected: {own['grew_between_round_ends']:,} B grew "
+                  f"between the {r['rounds']} round ends"
+                  + (f", the largest site `{own['top_site']}` in {own['top_library']}." if own["top_site"] else ".")]
+    return lines
+
+
 def render_fanout(ctx: Context, arg: str, old: list[str]) -> list[str]:
     data = ctx.measured("fanout")
     rows = []
