@@ -31,6 +31,7 @@ from pipelines.core.timing import library_call
 from pipelines.measure.attribution import ALLOC_CONF_VARS, TRACE_ARTIFACTS, TRACES_INDEX
 
 log = logging.getLogger(__name__)
+TIMEOUT_RESERVE_S = 60  # of memory.timeout_seconds: spawning, imports and writing the result, outside measure()
 
 
 def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0,
@@ -52,6 +53,8 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
     from pipelines.models.loading import load_variant, model_devices, variant_manifest
 
     torch.set_num_threads(p.threads)
+    # the traced rounds stop in time for the result to be written before the parent's timeout kills this process
+    deadline = time.monotonic() + p.timeout_seconds - TIMEOUT_RESERVE_S
     result: dict = {"variant": Path(variant_dir).name, "device": device, "status": "ok"}
     probe = make_probe(device)
     result["method"] = probe.method
@@ -100,7 +103,7 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
         if result["soak"]["growth_bytes_per_round"] and p.trace_rounds and not result["soak"]["oom"]:
             with library_call("forward (traced rounds)"):
                 out = Path(trace_dir) if trace_dir else Path(tempfile.mkdtemp(prefix="quantgate-trace-"))
-                cause = explain(model, p, max_len, config.vocab_size, device, result["soak"], out, inject)
+                cause = explain(model, p, max_len, config.vocab_size, device, result["soak"], out, inject, deadline)
             if cause.get("oom"):  # more of the same traffic ran out of memory: the strongest evidence there is
                 result["soak"]["oom"] = cause["oom"]
         result["growth_cause"] = cause

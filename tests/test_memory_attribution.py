@@ -235,3 +235,26 @@ def test_the_trace_folder_always_has_its_index(tmp_path):
     (tmp_path / "flamegraph.html").unlink()
     memory.write_trace_index(tmp_path, {})
     assert json.loads((tmp_path / attribution.TRACES_INDEX).read_text())["traced"] is False
+
+
+def test_a_leak_the_tracer_confirmed_fails_under_the_tolerance():
+    """The tolerance is for growth no site explains; one site growing in every third is a leak at any rate."""
+    soak = {"growth_bytes_per_round": 1000.0, "rounds": [{}] * 12, "tail_rounds": 6, "warmup_end_round": None}
+    confirmed = {"status": "ok", "class": "leak", "evidence": "grew in every third"}
+    judged = verdict.leak_verdict(soak, 10**9, FAST, confirmed)
+    assert judged["leak"] is True and "the tracer confirmed" in judged["reason"]
+    assert verdict.leak_verdict(soak, 10**9, FAST, {**confirmed, "class": "unbounded"})["leak"] is False
+    assert verdict.leak_verdict(soak, 10**9, FAST)["leak"] is False  # 0.001 %: under the 1 % tolerance
+
+
+def test_a_trace_that_would_run_past_the_deadline_is_cut_and_recorded(tiny_variants, tmp_path):
+    """Too few rounds before memory.timeout_seconds: a recorded failure, the soak's own result kept."""
+    import time
+
+    from pipelines.models.loading import load_variant
+
+    model, _ = load_variant(str(tiny_variants["int8"]), "cpu")
+    soak = {"rounds_run": 5, "growth_bytes_per_round": 5000.0, "growth_last_minus_first": 50_000}
+    cause = attribution.explain(model, FAST, min(model.config.max_position_embeddings, 128), model.config.vocab_size,
+                                "cpu", soak, tmp_path, deadline=time.monotonic())
+    assert cause["status"] == "failed" and cause["error"].startswith("TraceCut: memory.timeout_seconds")

@@ -43,6 +43,8 @@ SNAPSHOT_MS = 10  # memray's memory snapshot interval
 PAUSE_S = 0.05  # after each traced round: memray snapshots that fall between rounds, not inside one
 MEMORY_RECORDS = 10_000_000  # memray's reader keeps only every k-th snapshot beyond its default 10,000 (100 s)
 SEEN_RATE = 0.5  # a cache: under the tracer it grew at least this share of the soak's rate until it stopped
+FLAMEGRAPH_S = 300  # drawing the flame graph: at most this long
+MIN_ROUNDS = 6  # fewer traced rounds (cut by the deadline) are not read: too few to tell a stop from a pause
 TOP_SITES = 5
 LEAK_SITE_SHARE = 0.5  # a leak: one site holds at least this share of the growth, and grows in every third
 STACK_FRAMES = 12  # frames kept per site in the results (the flame graph has them all)
@@ -161,11 +163,18 @@ def classify(series: list[int], per_third: list[list[int]], sites: list[dict], s
                            f"no one site holds it in every third (top site per third: {thirds} B): {where}")}
 
 
+class TraceCut(RuntimeError):
+    """The traced rounds would run past the measuring process's deadline."""
+
+
 def explain(model, p: MemoryParams, max_len: int, vocab: int, device: str, soak: dict, out_dir: Path,
-            inject=None) -> dict:
+            inject=None, deadline: float | None = None) -> dict:
     """`p.trace_rounds` more rounds under the tracer, after a soak that did not settle: the growth's sites, its
     class and evidence, and the flame graph or snapshot written to `out_dir`. A tracer that fails, or traffic that
-    runs out of memory under it (`oom`), is recorded; the growth is then judged as the soak measured it."""
+    runs out of memory under it (`oom`), is recorded; the growth is then judged as the soak measured it.
+    `deadline` (time.monotonic()): no round starts that would leave too little time to read the trace before it,
+    so a long trace cannot cost the variant the result it already measured; cut before MIN_ROUNDS, it is a
+    recorded failure."""
     import gc
 
     from pipelines.measure.phases import is_oom, run_round
@@ -174,12 +183,19 @@ def explain(model, p: MemoryParams, max_len: int, vocab: int, device: str, soak:
     first = soak.get("rounds_run", 0)
     in_rounds = [0.0]
 
+    done_rounds = [0]
+
     def one_round(r: int) -> None:
+        if deadline is not None and done_rounds[0]:  # this round, and reading all of them (~1/4 of a traced round each)
+            per_round = in_rounds[0] / done_rounds[0]
+            if time.monotonic() + per_round + 0.5 * per_round * (done_rounds[0] + 1) > deadline:
+                raise TraceCut(f"memory.timeout_seconds: the trace stops after {done_rounds[0]} round(s)")
         started = time.perf_counter()
         run_round(model, p, max_len, vocab, device, r)
         if inject:
             inject.after_round(r, device)
         in_rounds[0] += time.perf_counter() - started
+        done_rounds[0] += 1
         gc.collect()  # as the soak does before each reading: garbage in cycles is not growth
 
     started = time.perf_counter()
@@ -206,10 +222,22 @@ def explain(model, p: MemoryParams, max_len: int, vocab: int, device: str, soak:
     cause.update({"status": "ok", "soak_growth_bytes_per_round": soak["growth_bytes_per_round"],
                   "traced_rounds": len(series), "tracer": tracer, "seconds": round(time.perf_counter() - started, 1),
                   "seconds_in_rounds": round(in_rounds[0], 2), "capture_bytes": found.get("capture_bytes"),
+                  "cut_by_deadline": len(series) < p.trace_rounds,
                   "alive_bytes_by_round": series, "sites": sites,
                   "artifact": found["artifact"].name if found["artifact"] else None})
     log.info("memory: growth traced: %s; %s", cause["class"], cause["evidence"])
     return cause
+
+
+def _round_in_time(one_round, r: int, done: int) -> bool:
+    """Run round `r`; False when the deadline cut it and enough rounds ran to read, TraceCut when too few did."""
+    try:
+        one_round(r)
+    except TraceCut:
+        if done < MIN_ROUNDS:
+            raise
+        return False
+    return True
 
 
 def _thirds(n: int) -> list[range]:
@@ -236,7 +264,8 @@ def _trace_cpu(one_round, rounds: range, out_dir: Path) -> dict:
         pauses = []
         with memray.Tracker(capture, native_traces=True, memory_interval_ms=SNAPSHOT_MS):
             for r in rounds:
-                one_round(r)
+                if not _round_in_time(one_round, r, len(pauses)):
+                    break
                 begin = time.time() * 1000
                 time.sleep(PAUSE_S)  # a snapshot taken now sees this round's bytes, not the next round's
                 pauses.append((begin, time.time() * 1000))
@@ -272,11 +301,15 @@ def _trace_cpu(one_round, rounds: range, out_dir: Path) -> dict:
                 growth.append((values[-1] - values[0], site))
                 _per_third(n, values, (site["frame"], site["native"]), per_third)
         html = out_dir / "flamegraph.html"
-        done = subprocess.run([sys.executable, "-m", "memray", "flamegraph", "--leaks", "--no-web", "--force",
-                               "--max-memory-records", str(MEMORY_RECORDS), "-o", str(html), str(capture)],
-                              capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            log.warning("memory: memray flamegraph failed: %s", done.stderr[-500:])
+        try:  # for a person only: a flame graph that fails or takes too long costs the picture, not the result
+            done = subprocess.run([sys.executable, "-m", "memray", "flamegraph", "--leaks", "--no-web", "--force",
+                                   "--max-memory-records", str(MEMORY_RECORDS), "-o", str(html), str(capture)],
+                                  capture_output=True, text=True, timeout=FLAMEGRAPH_S)
+            if done.returncode != 0:
+                log.warning("memory: memray flamegraph failed: %s", done.stderr[-500:])
+        except subprocess.TimeoutExpired:
+            log.warning("memory: memray flamegraph ran past %d s; the trace is kept without it", FLAMEGRAPH_S)
+            html.unlink(missing_ok=True)
         return {"series": totals, "growth": growth, "per_third": per_third, "capture_bytes": capture.stat().st_size,
                 "artifact": html if html.is_file() else None}
 
@@ -304,7 +337,8 @@ def _trace_cuda(one_round, rounds: range, out_dir: Path) -> dict:
     try:
         alive_by_round, series = [], []
         for r in rounds:
-            one_round(r)
+            if not _round_in_time(one_round, r, len(series)):
+                break
             torch.cuda.synchronize()
             snap = torch.cuda.memory._snapshot()
             alive = cuda_alive_blocks(snap)
