@@ -86,12 +86,13 @@ def mlflow_layout(repo) -> list:
     run_file = json.loads((repo / "results" / "mlflow_run.json").read_text())
     client = MlflowClient(run_file["tracking_uri"])
     runs = client.search_runs([run_file["experiment_id"]])
-    # memory/warmup_end_round exists only when a soak settled: whether the tiny model's heap noise lets it settle is a
-    # measurement, not the layout (CI on 8a8b203: settled in one run, flat but unsettled in the other)
+    # memory/warmup_end_round exists only when a soak settled, memory.growth* tags only when one did not and was traced:
+    # whether the tiny model's heap noise lets a soak settle (two runs at once here) is a measurement, not the layout
     return sorted((r.info.run_name if r.info.run_id != run_file["parent_run_id"] else "parent",
                    r.data.tags.get("quantgate.kind"), r.data.tags.get("quantgate.variant"),
                    sorted(m for m in r.data.metrics if m != "memory/warmup_end_round"),
-                   sorted(r.data.params), sorted(t for t in r.data.tags if not t.startswith("mlflow.")))
+                   sorted(r.data.params),
+                   sorted(t for t in r.data.tags if not t.startswith(("mlflow.", "memory.growth"))))
                   for r in runs)
 
 
