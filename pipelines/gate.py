@@ -150,6 +150,23 @@ def shadow_lines(table: dict, policy_for=None) -> list[str]:
     return lines + ([""] if refused else [])
 
 
+def fleet_lines(table: dict) -> list[str]:
+    """report.md's "Fleet plan": the deployments route chose and its saving beside fp16 alone, the rows' own choices
+    and the best single variant (pipelines/routing/fleet.py); empty for a table without a plan."""
+    fleet = table.get("fleet")
+    if not fleet:
+        return []
+    lines = ["### Fleet plan", "", "| plan | deployments | deployed | fleet memory saved vs fp16 alone |",
+             "|---|---|---|---|"]
+    lines += [f"| {a['plan']} | {a['deployments']} | {' + '.join(a['deployed'])} | {_fmt(a['saving_pct'], '+.2f')} % |"
+              for a in fleet["alternatives"]]
+    s = fleet.get("stability") or {}
+    lines += ["", f"Footprints moved by up to ±{_fmt(s.get('noise_bytes'), ',.0f')} B (memory.noise_floor_bytes), "
+                  f"{s.get('draws')} draws: {_fmt(s.get('mean_changed_rows'), '.2f')} of {s.get('rows')} rows change "
+                  f"server on average, {s.get('max_changed_rows')} at most.", ""]
+    return lines
+
+
 def render_report(result: dict, report: dict | None, table: dict | None, policy_for=None) -> str:
     """results/report.md: the verdict, the per-domain evidence, the routing table and the shadow replay behind it,
     for a pull request (`policy_for`: params.compare.policy_for, for each type's min_agreement)."""
@@ -189,9 +206,11 @@ def render_report(result: dict, report: dict | None, table: dict | None, policy_
         promo = result["promotion"]
         lines += ["### Promotion", "", f"- {promo['status']}: {promo['detail']}", ""]
     if table:
-        lines += ["### Routing table", "", "| domain | ≤ tokens | serve | fallback under memory pressure |", "|---|---|---|---|"]
-        lines += [f"| {r['domain']} | {r['max_context_tokens']} | {r['serve']} | {r['fallback_under_memory_pressure']} |"
-                  for r in table["rows"]]
+        lines += fleet_lines(table)
+        lines += ["### Routing table", "", "| domain | ≤ tokens | serve | fallback under memory pressure | alone |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['domain']} | {r['max_context_tokens']} | {r['serve']} | {r['fallback_under_memory_pressure']} "
+                  f"| {r.get('row_by_row', r['serve'])} |" for r in table["rows"]]
         lines.append("")
         lines += shadow_lines(table, policy_for)
     return "\n".join(lines)

@@ -28,15 +28,16 @@ from pipelines.core.params import DERIVED_FROM_REQUESTS, Params
 from pipelines.core.paths import (BASELINE, BUILT_DIR, COMPARE_REPORT, COMPARE_TABLE, COVERAGE_DIR, DVC_LOCK, EVAL_DIR,
                                   EVAL_RESULTS, KSERVE_DIR, MANIFEST, MEMORY_RESULTS, MEMORY_SUMMARY, MEMORY_TRACES, MLARTIFACTS,
                                   PARAMS_FILE, PLOTS_DIR, QUANTIZE_RESULTS, REFERENCE_REPORT, RESULTS, ROLLOUT_PLAN,
-                                  ROUTING_TABLE, SHADOW_METRICS, SHADOW_REPORT, VARIANTS_DIR)
+                                  ROUTER_CONFIG, ROUTING_TABLE, SHADOW_METRICS, SHADOW_REPORT, VARIANTS_DIR)
 from pipelines.judging.comparison import flat_rows
 from pipelines.judging.verdict import shadow_failures
 from pipelines.store.client import experiment_id, recording_lock, served, using_store
 from pipelines.store.layout import (FORMAT_TAG, KIND_TAG, RECORD_FORMAT, RUN_TYPE_EVALUATION, RUN_TYPE_TAG,
                                     SHADOW_RUN_NAME, checkpoint_sha256, child_description, child_metrics, child_params,
-                                    child_run_name, classifier_metrics, flatten, parent_metrics, parent_verdict_tags,
-                                    routing_rows, shadow_agreement_rows, shadow_description, shadow_latency_rows,
-                                    shadow_metrics, shadow_params, write_verdict_view)
+                                    child_run_name, classifier_metrics, fleet_metrics, fleet_rows, flatten,
+                                    parent_metrics, parent_verdict_tags, routing_rows, shadow_agreement_rows,
+                                    shadow_description, shadow_latency_rows, shadow_metrics, shadow_params,
+                                    write_verdict_view)
 from pipelines.store.registry import DIGEST_TAG, delete_versions, log_checkpoint, reconcile_candidate, register_passing
 
 COMPLETE_TAG = "quantgate.complete"  # set on the parent run once every child is logged and every version registered
@@ -153,6 +154,9 @@ def _record_locked(client: MlflowClient, params: Params, digest: str, commit: di
         mlflow.log_metrics(parent_metrics(report))
         mlflow.log_table(pd.DataFrame(flat_rows(report)), "tables/compare.json")
         mlflow.log_table(pd.DataFrame(routing_rows(table)), "tables/routing_table.json")
+        if table.get("fleet"):  # the fleet plan beside fp16 alone, row by row and the best single variant
+            mlflow.log_metrics(fleet_metrics(table))
+            mlflow.log_table(pd.DataFrame(fleet_rows(table)), "tables/fleet_plans.json")
         built, coverage, classifier = root / BUILT_DIR, root / COVERAGE_DIR, root / COVERAGE_DIR / "classifier.json"
         _dataset_inputs([(f"calibration-{d}", built / f"{d}.jsonl") for d in params.calibration.domains], "calibration")
         _dataset_inputs([(f"probes-{d}", root / EVAL_DIR / d / params.evaluate.probes[d].items)
@@ -243,7 +247,7 @@ def _record_shadow(root: Path, digest: str, exp_id: str) -> str:
         mlflow.log_table(pd.DataFrame(shadow_latency_rows(shadow, measured)), "tables/shadow_latency.json")
         _log_files([root / SHADOW_REPORT, root / SHADOW_METRICS], "results")
         _log_files([root / PLOTS_DIR / "shadow_agreement.png", root / PLOTS_DIR / "shadow_latency.png"], "plots")
-        _log_files([root / ROLLOUT_PLAN], "rollout")
+        _log_files([root / ROLLOUT_PLAN, root / ROUTER_CONFIG], "rollout")
         _log_files(sorted((root / KSERVE_DIR).glob("*.yaml")), "rollout/kserve")
         return child.info.run_id
 

@@ -105,6 +105,28 @@ def baseline_rows(names: list[str], buckets: list[int], why: str, digest: str | 
             for name in names for tokens in buckets]
 
 
+def serve_row(row: dict, serve: str, fallback: str, why: str, base_cost: float | None, report: dict,
+              variants_dir: Path, digest: str | None) -> dict:
+    """A routing-table row served by `serve`: its cost, the evidence compare judged it on, its replay numbers and
+    provenance (`row` holds domain, max_context_tokens and considered)."""
+    domain = row["domain"]
+    chosen = next((c for c in row["considered"] if c["variant"] == serve), None)
+    evidence = report["variants"][serve]["domains"][domain] if serve != BASELINE else None
+    return {
+        "domain": domain, "max_context_tokens": row["max_context_tokens"], "serve": serve,
+        "fallback_under_memory_pressure": fallback,
+        "reason": why, "cost_bytes": {"serve": chosen["cost_bytes"] if chosen else base_cost, "fp16": base_cost},
+        "evidence": None if evidence is None else {
+            "verdict": evidence["verdict"], "difference": evidence["paired"]["difference"],
+            "ci_low": evidence["paired"]["ci_low"], "ci_high": evidence["paired"]["ci_high"],
+            "flip_rate": evidence["paired"]["flip_rate"], "mcnemar_p": evidence["paired"]["mcnemar_p"],
+            "kl": evidence["checks"]["kl"], "items": evidence["paired"]["items"]},
+        "shadow": chosen.get("shadow") if chosen else None,
+        "considered": row["considered"],
+        "provenance": {**provenance(serve, variants_dir, report["variants"].get(serve)), "dvc_lock_sha256": digest},
+    }
+
+
 def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path, digest: str | None,
                 classifier: dict[str, dict] | None = None, shadow: dict | None = None, min_requests: int = 20) -> dict:
     """The routing table: one row per domain and context bucket, plus fp16 rows for what was not judged.
@@ -130,8 +152,9 @@ def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path
             passing = [c for c in judged if listens(c, shadow, domain, tokens, policy, min_requests)]
             refused = "; ".join(f"{c['variant']}: {c['shadow_refused']}" for c in judged if c["shadow_refused"])
             worth = [c for c in passing if c["saving_pct"] >= policy.min_memory_saving_pct]
+            for c in considered:  # what the fleet plan may serve the row with (pipelines/routing/fleet.py)
+                c["passing"], c["worth"] = c in passing, c in worth
             serve = worth[0]["variant"] if worth else BASELINE
-            fallback = passing[0]["variant"] if passing else BASELINE
             chosen = next((c for c in considered if c["variant"] == serve), None)
             if serve == BASELINE:
                 why = ("no variant passed" if not judged else
@@ -141,19 +164,9 @@ def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path
                 why = f"cheapest passing variant, saves {chosen['saving_pct']:.1f} % against fp16 at {tokens} tokens"
             if refused:
                 why += f" (shadow replay refused {refused})"
-            evidence = report["variants"][serve]["domains"][domain] if serve != BASELINE else None
-            rows.append({
-                "domain": domain, "max_context_tokens": tokens, "serve": serve, "fallback_under_memory_pressure": fallback,
-                "reason": why, "cost_bytes": {"serve": chosen["cost_bytes"] if chosen else base_cost, "fp16": base_cost},
-                "evidence": None if evidence is None else {
-                    "verdict": evidence["verdict"], "difference": evidence["paired"]["difference"],
-                    "ci_low": evidence["paired"]["ci_low"], "ci_high": evidence["paired"]["ci_high"],
-                    "flip_rate": evidence["paired"]["flip_rate"], "mcnemar_p": evidence["paired"]["mcnemar_p"],
-                    "kl": evidence["checks"]["kl"], "items": evidence["paired"]["items"]},
-                "shadow": chosen.get("shadow") if chosen else None,
-                "considered": considered,
-                "provenance": {**provenance(serve, variants_dir, report["variants"].get(serve)), "dvc_lock_sha256": digest},
-            })
+            rows.append(serve_row({"domain": domain, "max_context_tokens": tokens, "considered": considered},
+                                  serve, passing[0]["variant"] if passing else BASELINE, why, base_cost, report,
+                                  variants_dir, digest))
     table = {"baseline": BASELINE, "buckets": buckets, "dvc_lock_sha256": digest, "rows": rows}
     if classifier is not None:
         from pipelines.text.classify import AMBIGUOUS, UNKNOWN
@@ -166,6 +179,42 @@ def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path
                                                     "baseline", digest, base_mem)
         table["classifier"] = classifier
     return table
+
+
+def apply_fleet(table: dict, plan: dict, assignment: dict, report: dict, variants_dir: Path) -> dict:
+    """The table served by the fleet plan (pipelines/routing/fleet.py): each row by its variant in the deployed set,
+    its fallback under memory pressure the cheapest passing variant deployed; what each row would take alone is kept
+    in `row_by_row`, and a row whose variant serves no neighbouring bucket of its type says what that variant earns."""
+    deployed, digest = plan["deployed"], table.get("dvc_lock_sha256")
+    fp16_bytes = plan["alternatives"][0]["fleet_bytes"]
+    serving = {(r["domain"], r["max_context_tokens"]): assignment.get((r["domain"], r["max_context_tokens"]), r["serve"])
+               for r in table["rows"]}
+    rows = []
+    for row in table["rows"]:
+        domain, tokens, alone = row["domain"], row["max_context_tokens"], row["serve"]
+        serve = serving[(domain, tokens)]
+        passing = sorted((c for c in row["considered"] if c.get("passing") and c["variant"] in deployed),
+                         key=lambda c: (c["cost_bytes"], c["variant"]))
+        why = row["reason"]
+        if serve != alone:
+            chosen = next((c for c in row["considered"] if c["variant"] == serve), None)
+            own = next(c for c in row["considered"] if c["variant"] == alone) if alone != BASELINE else None
+            why = (f"fleet plan: {serve}" + (f", saves {chosen['saving_pct']:.1f} % against fp16 at {tokens} tokens"
+                                            if chosen else "")
+                   + ("; alone this row would take " + (f"{alone} (saves {own['saving_pct']:.1f} %)" if own else alone)
+                      + ", which the fleet does not deploy: it would cost more than it saves"))
+        i = table["buckets"].index(tokens) if tokens in table["buckets"] else None
+        neighbours = [serving.get((domain, table["buckets"][j])) for j in (i - 1, i + 1)
+                      if i is not None and 0 <= j < len(table["buckets"])] if i is not None else []
+        earned = plan["earns_bytes"].get(serve)
+        if serve != BASELINE and neighbours and serve not in neighbours and earned is not None and fp16_bytes:
+            why += (f"; {serve} serves no neighbouring bucket of {domain}: deploying it earns the fleet "
+                    f"{earned:,.0f} bytes ({100 * earned / fp16_bytes:.2f} % of fp16 alone)")
+        new = serve_row(row, serve, passing[0]["variant"] if passing else BASELINE, why, row["cost_bytes"]["fp16"],
+                        report, variants_dir, digest) if row["considered"] or serve != BASELINE else dict(row)
+        new["row_by_row"] = alone
+        rows.append(new)
+    return {**table, "rows": rows, "fleet": plan}
 
 
 def read_shadow(path: Path) -> dict:
@@ -186,15 +235,23 @@ def write_rollout(table: dict, policy_for, plan_path: Path, kserve_dir: Path) ->
     """results/rollout.yaml and results/kserve/<type>.yaml (the folder replaced whole: no stale manifest stays)."""
     import yaml
 
-    from pipelines.core.io import atomic_dir, atomic_write_text, write_yaml
+    from pipelines.core.io import atomic_dir, atomic_write_text, write_json, write_yaml
     from pipelines.routing.rollout import build_plan
 
     plan, manifests = build_plan(table, policy_for, kserve_dir.as_posix())
     with atomic_dir(kserve_dir) as tmp:
         for domain, docs in manifests.items():
             atomic_write_text(tmp / f"{domain}.yaml", yaml.safe_dump_all(docs, sort_keys=False, allow_unicode=True))
+        # always one file: git keeps no empty folder, and a DVC output missing from a fresh clone is a change
+        write_json(tmp / "index.json", {"manifests": sorted(f"{d}.yaml" for d in manifests),
+                                        "note": "one KServe InferenceService per routed request type "
+                                                "(results/rollout.yaml says when to apply each)"})
     write_yaml(plan_path, plan)
     return plan
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} %"
 
 
 def main() -> int:
@@ -205,8 +262,11 @@ def main() -> int:
     from pipelines.core.io import write_json, write_yaml
     from pipelines.core.lineage import lock_digest
     from pipelines.core.params import load_params
-    from pipelines.core.paths import (COMPARE_REPORT, KSERVE_DIR, ROLLOUT_PLAN, ROUTING_TABLE, SHADOW_REPORT,
-                                      VARIANTS_DIR)
+    from pipelines.core.paths import (COMPARE_REPORT, COVERAGE_DIR, FLEET_PLOT, KSERVE_DIR, ROLLOUT_PLAN,
+                                      ROUTER_CONFIG, ROUTING_TABLE, SHADOW_REPORT, VARIANTS_DIR)
+    from pipelines.routing.fleet import plan_fleet
+    from pipelines.routing.plots import fleet_plot
+    from pipelines.routing.semantic_router import write_router_config
 
     log = logging.getLogger(__name__)
     params = load_params()
@@ -216,8 +276,16 @@ def main() -> int:
     table = build_table(report, params.route.context_buckets, params.compare.policy_for, VARIANTS_DIR,
                         lock_digest(), {name: rule.model_dump() for name, rule in params.coverage.classify.items()},
                         shadow, min_requests)
+    coverage = read_json(COVERAGE_DIR / "coverage.json") if (COVERAGE_DIR / "coverage.json").is_file() else None
+    plan, assignment = plan_fleet(table, report, coverage, shadow, params.route, params.memory.noise_floor_bytes)
+    table = apply_fleet(table, plan, assignment, report, VARIANTS_DIR)
     write_json(ROUTING_TABLE, table)
     write_yaml(ROUTING_TABLE.with_suffix(".yaml"), table)
+    write_router_config(table, ROUTER_CONFIG)
+    fleet_plot(plan, FLEET_PLOT)
+    log.info("route: fleet plan %s (%s of the fleet's memory saved against fp16 alone; %s row by row)",
+             " + ".join(plan["deployed"]), _pct(plan["alternatives"][3]["saving_pct"]),
+             _pct(plan["alternatives"][1]["saving_pct"]))
     write_rollout(table, params.compare.policy_for, ROLLOUT_PLAN, KSERVE_DIR)
     log.info("route: rollout plan %s, KServe manifests in %s", ROLLOUT_PLAN, KSERVE_DIR)
     for row in table["rows"]:

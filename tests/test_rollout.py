@@ -157,7 +157,8 @@ def test_the_rollout_plan_and_its_kserve_manifests(report, tmp_path):
     assert rollout["evidence"]["64"]["exact"]["share"] == 0.9
     for name in ("chat", "unknown", "ambiguous"):  # served by fp16: nothing to roll out, and the plan says so
         assert plan["types"][name]["canary"] is None and "nothing to roll out" in plan["types"][name]["note"]
-    assert sorted(p.name for p in (tmp_path / "kserve").iterdir()) == ["code.yaml", "math.yaml"]
+    assert sorted(p.name for p in (tmp_path / "kserve").iterdir()) == ["code.yaml", "index.json", "math.yaml"]
+    assert json.loads((tmp_path / "kserve/index.json").read_text())["manifests"] == ["code.yaml", "math.yaml"]
     for domain, variant in (("math", "int8"), ("code", "awq4")):  # one manifest per type, for its fp16 service
         (service,) = yaml.safe_load_all((tmp_path / f"kserve/{domain}.yaml").read_text())
         assert (service["apiVersion"], service["kind"]) == ("serving.kserve.io/v1beta1", "InferenceService")
@@ -166,10 +167,12 @@ def test_the_rollout_plan_and_its_kserve_manifests(report, tmp_path):
         assert service["spec"]["predictor"]["canaryTrafficPercent"] == 1
         assert service["spec"]["predictor"]["model"]["storageUri"].startswith("FILL-IN://")
         assert f"models/variants/{variant}" in service["spec"]["predictor"]["model"]["storageUri"]
-    # a second run whose table routes nothing leaves no stale manifest behind
+    # a second run whose table routes nothing leaves no stale manifest behind, and the folder is still there (with its
+    # index): git keeps no empty folder, and a DVC output missing on a fresh clone would be a change to the gate
     table = build(report, tmp_path, shadow_report({}))
     route.write_rollout(table, CompareParams().policy_for, tmp_path / "rollout.yaml", tmp_path / "kserve")
-    assert list((tmp_path / "kserve").iterdir()) == []
+    assert [p.name for p in (tmp_path / "kserve").iterdir()] == ["index.json"]
+    assert json.loads((tmp_path / "kserve/index.json").read_text())["manifests"] == []
 
 
 def split_table(serve: dict[str, dict[int, str]]) -> dict:
@@ -220,9 +223,13 @@ def test_the_stage_needs_the_shadow_report(report, tmp_path, monkeypatch):
     with pytest.raises(QuantgateError, match=r"results/shadow.json: key 'models'"):
         route.main()
     write_json(tmp_path / "results/shadow.json", shadow_report({"int8": AGREE, "awq4": AGREE}))
+    # the production mix the fleet plan weighs rows by: all of it math and code, so awq4 pays for its deployment
+    write_json(tmp_path / "results/calibration/coverage.json",
+               {"domains": {"math": {"production_share": 0.5}, "code": {"production_share": 0.5}}})
     assert route.main() == 0
     table = json.loads((tmp_path / "results/routing_table.json").read_text())
-    assert row(table, "math", 64)["serve"] == "awq4"
+    assert row(table, "math", 64)["serve"] == "awq4" and table["fleet"]["deployed"] == ["fp16", "awq4"]
+    assert (tmp_path / "results/vllm-sr.yaml").is_file() and (tmp_path / "results/plots/fleet_saving.png").is_file()
     plan = yaml.safe_load((tmp_path / "results/rollout.yaml").read_text())
     assert plan["types"]["math"]["canary"][0]["kserve"] == "results/kserve/math.yaml"
     assert (tmp_path / "results/kserve/code.yaml").is_file()

@@ -311,10 +311,22 @@ class CompareParams(Section):
         return PolicyParams(**merged)
 
 
+class FleetParams(Section):
+    """What a deployment costs the fleet (pipelines/routing/fleet.py): the traffic it holds at peak and the replica
+    each deployed variant runs. Bytes come from the memory stage's measurements of each variant."""
+
+    requests_in_flight: int = Field(512, gt=0)    # the fleet's concurrent requests at peak, all types together
+    requests_per_replica: int = Field(32, gt=0)   # concurrent requests one replica serves (its batch)
+    kv_pool_tokens: int = Field(8192, gt=0)       # the KV pool each replica reserves, in tokens of context
+    standby_replicas: float = Field(1.0, ge=0)    # replicas a deployment keeps beyond what its traffic needs
+
+
 class RouteParams(Section):
-    """Context-length buckets of the routing table (upper bounds, in tokens)."""
+    """Context-length buckets of the routing table (upper bounds, in tokens), and the fleet the plan is for."""
 
     context_buckets: list[int] = [64, 128, 256]
+    max_deployments: int | None = Field(None, ge=1)   # fp16 counts as one; None = as many as pay for themselves
+    fleet: FleetParams = FleetParams()
 
     @field_validator("context_buckets")
     @classmethod

@@ -97,9 +97,32 @@ def build_plan(table: dict, policy_for, kserve_dir: str = "results/kserve") -> t
         if later:
             types[domain]["note"] = SPLIT_NOTE.format(domain=domain, variant=now, later=", ".join(later))
     plan = {"baseline": table["baseline"], "dvc_lock_sha256": table.get("dvc_lock_sha256"),
+            **({"canaries": fleet_canaries(table, types, policy_for)} if table.get("fleet") else {}),
             "schedule": [dict(step) for step in SCHEDULE],
             "how": "apply results/kserve/<type>.yaml over the type's running fp16 InferenceService (same name: "
                    f"{SERVICE_PREFIX}<type>, rollout.SERVICE_PREFIX); hold each step, raise canaryTrafficPercent to "
                    "the next; any stop_if limit crossed: set it to 0 (back to fp16)",
             "types": types}
     return plan, manifests
+
+
+def fleet_canaries(table: dict, types: dict, policy_for) -> list[dict]:
+    """One canary per variant the fleet plan deploys, in the plan's order: the variant that earns the fleet the most
+    first (pipelines/routing/fleet.py `earns_bytes`; ties by name). Each takes every row the plan serves with it, by
+    the types' manifests that name it; a type whose manifest names another variant takes it in that type's later
+    canary (`waits_for`)."""
+    earns = table["fleet"].get("earns_bytes") or {}
+    order = sorted(table["fleet"]["deployed"][1:], key=lambda v: (-(earns.get(v) or 0.0), v))
+    canaries = []
+    for n, variant in enumerate(order, start=1):
+        takes = {d: sorted(r["max_context_tokens"] for r in table["rows"] if r["domain"] == d and r["serve"] == variant)
+                 for d in types}
+        takes = {d: b for d, b in takes.items() if b}
+        now = [d for d in takes if (types[d].get("canary") or [{}])[0].get("variant") == variant]
+        canaries.append({"order": n, "variant": variant, "earns_bytes": earns.get(variant), "takes": takes,
+                         "kserve": [types[d]["canary"][0]["kserve"] for d in now],
+                         "waits_for": {d: types[d]["canary"][0]["variant"] for d in takes if d not in now},
+                         "schedule": [dict(step) for step in SCHEDULE],
+                         "stop_if": {d: stop_limits(policy_for(d)) for d in takes}})
+    return canaries
+

@@ -234,6 +234,28 @@ def routing_rows(table: dict) -> list[dict]:
              "shadow_exact_share": ((r.get("shadow") or {}).get("exact") or {}).get("share")} for r in table["rows"]]
 
 
+def fleet_rows(table: dict) -> list[dict]:
+    """The fleet plan beside its alternatives (fp16 only, row by row, the best single variant) and the best plan at
+    each deployment count, as flat rows for an MLflow table (pipelines/routing/fleet.py)."""
+    fleet = table.get("fleet") or {}
+    return [{"plan": a["plan"], "deployments": a["deployments"], "deployed": " + ".join(a["deployed"]),
+             "fleet_bytes": a["fleet_bytes"], "saving_pct": a["saving_pct"]}
+            for a in (fleet.get("alternatives") or []) + (fleet.get("by_deployments") or [])]
+
+
+def fleet_metrics(table: dict) -> dict[str, float]:
+    """`fleet/<plan>/saving_pct` and `fleet/<plan>/deployments` per alternative (plan names with `_` for spaces),
+    and the plan's stability under memory noise, on the parent run."""
+    fleet = table.get("fleet") or {}
+    out: dict[str, float] = {}
+    for a in fleet.get("alternatives") or []:
+        numeric_leaves(f"fleet/{a['plan'].replace(' ', '_')}", {"saving_pct": a["saving_pct"],
+                                                               "deployments": a["deployments"]}, out)
+    numeric_leaves("fleet/stability", {k: (fleet.get("stability") or {}).get(k)
+                                       for k in ("mean_changed_rows", "max_changed_rows")}, out)
+    return out
+
+
 def classifier_metrics(measured: dict) -> dict[str, float]:
     """The request classifier's accuracy on the labelled production sample (results/calibration/classifier.json)
     as parent-run metrics: `classifier_accuracy` and `classifier_accuracy.<type>` (none where nothing is labelled)."""

@@ -16,7 +16,8 @@ from .measured_blocks import (render_admission_cost, render_evaluate_overhead, r
                               render_quantizer_settings, render_real_profile, render_trace_overhead)
 from .params_blocks import render_params
 from .result_blocks import (render_classifier, render_shadow_agreement, render_coverage, render_eval_accuracy, render_eval_fidelity,
-                            render_memory, render_quantize, render_reference, render_reference_history)
+                            render_fleet_plan, render_memory, render_quantize, render_reference,
+                            render_reference_history)
 from .sources import GENERATOR, Context, SourceMissing, provenance, undated
 
 OPEN_RE = re.compile(r"^<!-- numbers:(?P<kind>[a-z0-9-]+)(?: (?P<arg>[^>]*?))? -->\s*$")
@@ -39,6 +40,7 @@ RENDERERS = {
     "coverage": (render_coverage, "results/calibration/coverage.json"),
     "classifier": (render_classifier, "results/calibration/classifier.json"),
     "shadow-agreement": (render_shadow_agreement, "results/shadow.json: agreement with fp16 per variant and type"),
+    "fleet-plan": (render_fleet_plan, "results/routing_table.json: the fleet plan beside its alternatives"),
     "reference": (render_reference, "results/reference.json, reference_model/recipe.json"),
     "reference-history": (render_reference_history, "reference_model/recipe.json at commit ARG"),
     "history-row": (render_history_row, "results/compare.json at commit ARG (COMMIT VARIANT DOMAIN)"),

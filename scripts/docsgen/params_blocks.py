@@ -46,6 +46,18 @@ def _same(text: str, value) -> bool:
     return parsed == value
 
 
+MISSING = object()
+
+
+def _get(section: dict, key: str):
+    """A key of the section, dotted for a nested one (`fleet.kv_pool_tokens`); MISSING when absent."""
+    for part in key.split("."):
+        if not isinstance(section, dict) or part not in section:
+            return MISSING
+        section = section[part]
+    return section
+
+
 def render_params(ctx: Context, arg: str, old: list[str]) -> list[str]:
     """The table in the block keeps its keys and meanings; its `default` column is params.yaml's values."""
     params = ctx.yaml("params.yaml")
@@ -64,15 +76,16 @@ def render_params(ctx: Context, arg: str, old: list[str]) -> list[str]:
         cells = line.strip()[1:-1].split("|")
         keys = [x.strip().strip("`") for x in cells[k].split(",")]
         values = _parts(cells[d].strip())
-        if all(key in section for key in keys) and len(values) == len(keys):
+        if all(_get(section, key) is not MISSING for key in keys) and len(values) == len(keys):
             new = []
             for key, text in zip(keys, values):
                 lead = re.match(r"^(\[[^\]]*\]|[^\s(]+)(.*)$", text)
                 head, tail = (lead.group(1), lead.group(2)) if lead else (text, "")
-                if isinstance(section[key], dict) or _same(head, section[key]):
+                value = _get(section, key)
+                if isinstance(value, dict) or _same(head, value):
                     new.append(text)
                 else:  # the value changed: its old note (e.g. "(12 h)") no longer holds
-                    new.append(_value_text(section[key]))
+                    new.append(_value_text(value))
             cells[d] = f" {', '.join(new)} "
         out.append("|" + "|".join(cells) + "|")
     return out

@@ -205,3 +205,24 @@ def render_shadow_agreement(ctx: Context, arg: str, old: list[str]) -> list[str]
     if failed:
         lines += ["", "Replay failed: " + "; ".join(failed)]
     return lines
+
+
+def render_fleet_plan(ctx: Context, arg: str, old: list[str]) -> list[str]:
+    """The fleet plan beside its alternatives (deployments, fleet memory, saving against fp16 alone), the best plan
+    per deployment count, and the plan's stability under the memory stage's footprint noise."""
+    fleet = ctx.json("results/routing_table.json", "stage:route")["fleet"]
+    f = fleet["fleet"]
+    lines = [f"Fleet: {f['requests_in_flight']} requests in flight, {f['requests_per_replica']} per replica, a KV "
+             f"pool of {count(f['kv_pool_tokens'])} tokens and {f['standby_replicas']:g} standby replica per "
+             "deployment (params.yaml `route.fleet`).", ""]
+    rows = [[a["plan"], a["deployments"], " + ".join(a["deployed"]), f"{a['fleet_bytes'] / 2**20:,.1f} MiB",
+             f"{a['saving_pct']:+.2f} %"] for a in fleet["alternatives"] + fleet["by_deployments"]
+            if a["fleet_bytes"] is not None and a["saving_pct"] is not None]
+    lines += table(["plan", "deployments", "deployed", "fleet memory", "saved against fp16 alone"], rows)
+    s = fleet["stability"]
+    earns = "; ".join(f"{v} earns {b / 2**20:,.2f} MiB" for v, b in fleet["earns_bytes"].items() if b is not None)
+    lines += ["", (f"{earns}. " if earns else "") + f"Noise margin {fleet['noise_margin_bytes'] / 2**10:,.0f} KiB: "
+              f"with every footprint moved by up to ±{count(s['noise_bytes'])} B ({s['draws']} draws), "
+              f"{s['mean_changed_rows']:.2f} of {s['rows']} rows change server on average, {s['max_changed_rows']} "
+              f"at most, in {100 * s['share_of_draws_with_a_change']:.0f} % of draws."]
+    return lines
