@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     lookup.add_argument("text")
     lookup.add_argument("--context-tokens", type=int, required=True, metavar="N",
                         help="prompt plus expected output length, in tokens")
+    lookup.add_argument("--json", action="store_true", dest="as_json",
+                        help="print the row as JSON: serve, domain, max_context_tokens and the table's digest (the "
+                             "request metadata results/vllm-sr.yaml routes on, docs/route.md)")
     verb("record", "stage 8: parent + child runs in MLflow, passing variants into the registry")
     p = verb("fanout", "run the per-variant chains (quantize/admit, memory, baseline, evaluate) as Ray tasks on a "
                        "cluster and record them in dvc.lock; then dvc repro does the rest")

@@ -161,6 +161,7 @@ def fleet_lines(table: dict) -> list[str]:
     lines += [f"| {a['plan']} | {a['deployments']} | {' + '.join(a['deployed'])} | {_fmt(a['saving_pct'], '+.2f')} % |"
               for a in fleet["alternatives"]]
     s = fleet.get("stability") or {}
+    lines += [""] + [f"- {note}" for note in fleet.get("notes") or []]
     lines += ["", f"Footprints moved by up to ±{_fmt(s.get('noise_bytes'), ',.0f')} B (memory.noise_floor_bytes), "
                   f"{s.get('draws')} draws: {_fmt(s.get('mean_changed_rows'), '.2f')} of {s.get('rows')} rows change "
                   f"server on average, {s.get('max_changed_rows')} at most.", ""]

@@ -187,8 +187,12 @@ def apply_fleet(table: dict, plan: dict, assignment: dict, report: dict, variant
     in `row_by_row`, and a row whose variant serves no neighbouring bucket of its type says what that variant earns."""
     deployed, digest = plan["deployed"], table.get("dvc_lock_sha256")
     fp16_bytes = plan["alternatives"][0]["fleet_bytes"]
-    serving = {(r["domain"], r["max_context_tokens"]): assignment.get((r["domain"], r["max_context_tokens"]), r["serve"])
-               for r in table["rows"]}
+    serving = {(r["domain"], r["max_context_tokens"]): assignment.get((r["domain"], r["max_context_tokens"]), BASELINE)
+               for r in table["rows"]}  # a row the plan did not price stays on fp16
+    cap = plan.get("max_deployments")
+    why_not = ("no plan could be priced (fp16's memory was not measured)" if fp16_bytes is None else
+               f"route.max_deployments ({cap}) leaves no room for it" if cap is not None and len(deployed) >= cap else
+               "deploying it would cost the fleet more than it saves")
     rows = []
     for row in table["rows"]:
         domain, tokens, alone = row["domain"], row["max_context_tokens"], row["serve"]
@@ -201,15 +205,17 @@ def apply_fleet(table: dict, plan: dict, assignment: dict, report: dict, variant
             own = next(c for c in row["considered"] if c["variant"] == alone) if alone != BASELINE else None
             why = (f"fleet plan: {serve}" + (f", saves {chosen['saving_pct']:.1f} % against fp16 at {tokens} tokens"
                                             if chosen else "")
-                   + ("; alone this row would take " + (f"{alone} (saves {own['saving_pct']:.1f} %)" if own else alone)
-                      + ", which the fleet does not deploy: it would cost more than it saves"))
+                   + "; alone this row would take " + (f"{alone} (saves {own['saving_pct']:.1f} %)" if own else alone)
+                   + (f", which the fleet does not deploy: {why_not}" if alone not in deployed else
+                      f"; in the fleet {serve} costs less per request (its share of a replica, docs/route.md)"))
         i = table["buckets"].index(tokens) if tokens in table["buckets"] else None
         neighbours = [serving.get((domain, table["buckets"][j])) for j in (i - 1, i + 1)
                       if i is not None and 0 <= j < len(table["buckets"])] if i is not None else []
         earned = plan["earns_bytes"].get(serve)
         if serve != BASELINE and neighbours and serve not in neighbours and earned is not None and fp16_bytes:
-            why += (f"; {serve} serves no neighbouring bucket of {domain}: deploying it earns the fleet "
-                    f"{earned:,.0f} bytes ({100 * earned / fp16_bytes:.2f} % of fp16 alone)")
+            rows_of = sum(v == serve for v in serving.values())
+            why += (f"; {serve} serves no neighbouring bucket of {domain}: the fleet deploys it for {rows_of} rows, "
+                    f"which earn it {earned:,.0f} bytes in all ({100 * earned / fp16_bytes:.2f} % of fp16 alone)")
         new = serve_row(row, serve, passing[0]["variant"] if passing else BASELINE, why, row["cost_bytes"]["fp16"],
                         report, variants_dir, digest) if row["considered"] or serve != BASELINE else dict(row)
         new["row_by_row"] = alone
@@ -286,6 +292,8 @@ def main() -> int:
     log.info("route: fleet plan %s (%s of the fleet's memory saved against fp16 alone; %s row by row)",
              " + ".join(plan["deployed"]), _pct(plan["alternatives"][3]["saving_pct"]),
              _pct(plan["alternatives"][1]["saving_pct"]))
+    for note in plan["notes"]:
+        log.warning("route: fleet plan: %s", note)
     write_rollout(table, params.compare.policy_for, ROLLOUT_PLAN, KSERVE_DIR)
     log.info("route: rollout plan %s, KServe manifests in %s", ROLLOUT_PLAN, KSERVE_DIR)
     for row in table["rows"]:

@@ -95,7 +95,8 @@ def test_noise_sized_differences_never_decide_and_the_plan_holds_under_noise():
     noisy = F.Fleet(table_rows, memory(weights), shares, FLEET, "fp16", noise_bytes=8192)
     naive = F.Fleet(table_rows, memory(weights), shares, FLEET, "fp16", noise_bytes=0)
     chosen = noisy.best()
-    assert chosen["deployed"] == ["fp16", "a"] and noisy.margin() == 2 * 8192 * (64 / 16 + 1)
+    # the margin: 64 / 16 replicas of traffic and a standby each for fp16, a and b, every one off by the noise, twice
+    assert chosen["deployed"] == ["fp16", "a"] and noisy.margin() == 2 * 8192 * (64 / 16 + 3)
     held = F.stability(noisy, memory(weights), 8192, chosen, None, draws=100)
     flipped = F.stability(naive, memory(weights), 8192, naive.best(), None, draws=100)
     assert held["max_changed_rows"] == 0
@@ -106,7 +107,8 @@ def test_noise_sized_differences_never_decide_and_the_plan_holds_under_noise():
 def test_row_shares_come_from_coverage_split_by_the_replay_buckets():
     table_rows = rows({("math", 64): ["a"], ("math", 256): ["a"], ("unknown", 64): [], ("unknown", 256): []})
     coverage = {"domains": {"math": {"production_share": 0.8}}, "unknown": {"production_share": 0.2}}
-    shadow = {"models": {"fp16": {"agreement": {"math": {"64": {"requests": 30}, "256": {"requests": 10}}}}}}
+    shadow = {"models": {"awq4": {"status": "failed", "agreement": {"math": {"64": {"requests": 1}}}},
+                         "int8": {"status": "ok", "agreement": {"math": {"64": {"requests": 30}, "256": {"requests": 10}}}}}}
     shares, notes = F.row_shares(table_rows, coverage, shadow, "fp16")
     assert shares[("math", 64)] == pytest.approx(0.6) and shares[("math", 256)] == pytest.approx(0.2)
     assert shares[("unknown", 64)] == pytest.approx(0.1)  # no replay counts for it: split evenly, and said
@@ -158,9 +160,14 @@ def test_guard_keeps_only_what_keyword_signals_express():
     node, left = guard("symbol >= 1 and stamp == 0", patterns)
     assert node == {"type": "keyword", "name": "symbol"} and left == ["stamp == 0"]
     node, left = guard("symbol + stamp >= 2 or symbol >= 1", patterns)
-    assert node is None and left == ["symbol + stamp >= 2"]  # an `or` with a part left out is left out whole
+    # an `or` with a part left out is left out whole, and listed whole
+    assert node is None and left == ["symbol + stamp >= 2 or symbol >= 1"]
     node, left = guard("ahead >= 1 and code_lines >= 2", patterns)
     assert node is None and left == ["ahead >= 1", "code_lines >= 2"]  # a lookahead has no RE2 spelling
+    for refused in (r"(?x) a b", r"a\Z", r"(?#note)a", "x{2000}"):  # Python syntax RE2 (the router's Go) refuses
+        assert guard("p >= 1", {"p": refused}) == (None, ["p >= 1"])
+    node, _ = guard("p >= 1", {"p": "\\U0001F600|\\u4e00"})
+    assert node == {"type": "keyword", "name": "p"}
 
 
 def test_the_router_config_loads_with_the_routers_own_tooling_and_routes_only_what_the_plan_routes(results, tmp_path):  # noqa: F811
@@ -192,3 +199,140 @@ def test_the_router_config_loads_with_the_routers_own_tooling_and_routes_only_wh
     with pytest.raises(SystemExit) as refused:
         validate_command(str(tmp_path / "broken.yaml"))
     assert refused.value.code == 1
+
+
+def test_a_plan_that_cannot_be_priced_stays_on_fp16_and_says_why():
+    """fp16's memory missing (its memory stage failed): no fleet bytes, every row on fp16, and a note; a variant whose
+    KV per token is unknown is never deployed (it cannot be priced)."""
+    table = {"baseline": "fp16", "rows": rows({("chat", 64): ["a"]}), "buckets": [64]}
+    report = {"fp16": {"memory": None}, "variants": {"a": {"memory": memory(WEIGHTS)["a"]}}}
+    plan, assignment = F.plan_fleet(table, report, None, None, RouteParams(context_buckets=[64], fleet=FLEET), 8192)
+    assert plan["deployed"] == ["fp16"] and assignment == {("chat", 64): "fp16"} and plan["fleet_bytes"] is None
+    assert any("fp16's memory was not measured" in n for n in plan["notes"])
+    unpriced = F.Fleet(rows({("chat", 64): ["a"]}), {**memory(WEIGHTS), "a": {"footprint_bytes": 1}},
+                       {("chat", 64): 1.0}, FLEET, "fp16")
+    assert unpriced.candidates == [] and unpriced.best()["deployed"] == ["fp16"]
+
+
+@pytest.mark.parametrize("coverage, key", [
+    ({"domains": {"chat": {"share": 0.5}}}, "domains.chat.production_share"),
+    ({"domains": {"chat": {"production_share": 1.5}}}, "domains.chat.production_share"),
+    ({"domains": {"chat": {"production_share": 0.9}}, "unknown": {"production_share": "a lot"}},
+     "unknown.production_share"),
+    ({"domains": {"chat": {"production_share": 0.9}, "code": {"production_share": 0.9}}}, "add up to 1.8000")])
+def test_a_broken_traffic_mix_is_an_error_naming_the_key(coverage, key):
+    from pipelines.core.errors import QuantgateError
+
+    with pytest.raises(QuantgateError, match=f"results/calibration/coverage.json: .*{key}"):
+        F.row_shares(rows({("chat", 64): ["a"], ("code", 64): ["a"]}), coverage, None, "fp16")
+
+
+def test_a_variant_near_the_margin_is_flagged_and_the_reason_names_the_cap(results):  # noqa: F811
+    """A deployment that earns less than twice the noise margin gets a note (a re-measurement may drop it); a row
+    the cap keeps from its own choice says route.max_deployments did it, not the cost."""
+    eligible = {("chat", 64): ["a"], ("code", 64): ["a"]}
+    weights = {"fp16": 1_000_000, "a": 975_000}  # 40 replicas of traffic x 25,000 B: 1.0 MB, margin 655,360 B
+    table = {"baseline": "fp16", "buckets": [64], "rows": rows(eligible)}
+    report = {"fp16": {"memory": memory(weights)["fp16"]}, "variants": {"a": {"memory": memory(weights)["a"]}}}
+    fleet = FleetParams(requests_in_flight=640, requests_per_replica=16, kv_pool_tokens=1024, standby_replicas=0.0)
+    plan, _ = F.plan_fleet(table, report, {"domains": {"chat": {"production_share": 0.5},
+                                                       "code": {"production_share": 0.5}}},
+                           None, RouteParams(context_buckets=[64], fleet=fleet), 8192)
+    assert plan["deployed"] == ["fp16", "a"] and 0 < plan["headroom_bytes"]["a"] < plan["noise_margin_bytes"]
+    assert any(n.startswith("a earns the fleet") and "may drop it" in n for n in plan["notes"])
+    capped = fleet_table(results, max_deployments=1)
+    code = next(r for r in capped["rows"] if r["domain"] == "code" and r["max_context_tokens"] == 64)
+    assert "route.max_deployments (1) leaves no room for it" in code["reason"]
+
+
+def test_canaries_wait_for_the_variant_whose_manifest_a_type_waits_on():
+    """math: int8 at 64 and 128 (its manifest), gptq3 at 256. gptq3 earns more, but math's manifest names int8: int8's
+    canary goes first, then gptq3's, which takes math@256 in math's later canary."""
+    serve = {("math", 64): "int8", ("math", 128): "int8", ("math", 256): "gptq3", ("code", 64): "gptq3"}
+    table = {"baseline": "fp16", "dvc_lock_sha256": "d" * 64,
+             "rows": [{"domain": d, "max_context_tokens": b, "serve": v, "shadow": None} for (d, b), v in serve.items()],
+             "fleet": {"deployed": ["fp16", "gptq3", "int8"], "earns_bytes": {"gptq3": 9e6, "int8": 1e6}}}
+    plan, _ = build_plan(table, CompareParams().policy_for)
+    first, second = plan["canaries"]
+    assert (first["order"], first["variant"], first["waits_for"]) == (1, "int8", {})
+    assert (second["order"], second["variant"], second["waits_for"]) == (2, "gptq3", {"math": "int8"})
+    assert second["takes"] == {"math": [256], "code": [64]} and second["kserve"] == ["results/kserve/code.yaml"]
+
+
+def test_the_report_and_mlflow_show_the_plan_beside_its_alternatives(results):  # noqa: F811
+    from pipelines.gate import fleet_lines
+    from pipelines.store.layout import fleet_metrics, fleet_rows
+
+    table = fleet_table(results)
+    text = "\n".join(fleet_lines(table))
+    saving = {a["plan"]: a["saving_pct"] for a in table["fleet"]["alternatives"]}
+    for plan in ("fp16 only", "row by row", "best single variant", "fleet plan"):
+        assert f"| {plan} |" in text
+    assert f"| fleet plan | 2 | fp16 + int8 | {saving['fleet plan']:+.2f} % |" in text
+    metrics = fleet_metrics(table)
+    assert metrics["fleet/fleet_plan/deployments"] == 2 and metrics["fleet/row_by_row/deployments"] == 3
+    assert metrics["fleet/fleet_plan/saving_pct"] == pytest.approx(saving["fleet plan"])
+    assert [r["plan"] for r in fleet_rows(table)][:4] == ["fp16 only", "row by row", "best single variant", "fleet plan"]
+
+
+def decide(config: dict, metadata: dict[str, str], matched_keywords: set[str]) -> str:
+    """The model a v0.3 config sends a request to, as the router's priority strategy reads it: the highest-priority
+    decision whose rule holds (metadata signals: equals / in; keyword signals: those in `matched_keywords`)."""
+    signals = {("metadata", m["name"]): m for m in config["routing"]["signals"].get("metadata", [])}
+
+    def holds(node: dict) -> bool:
+        if "type" in node:
+            if node["type"] == "keyword":
+                return node["name"] in matched_keywords
+            p = signals[("metadata", node["name"])]
+            value = metadata.get(p["key"])
+            return value == p["predicate"]["equals"] if "equals" in p["predicate"] else value in p["predicate"]["in"]
+        kids = [holds(c) for c in node.get("conditions") or []]
+        return {"AND": all, "OR": any}[node.get("operator", "AND")](kids) if node.get("operator") != "NOT" \
+            else not kids[0]
+
+    live = [d for d in config["routing"]["decisions"] if holds(d["rules"])]
+    return max(live, key=lambda d: d["priority"])["modelRefs"][0]["model"] if live else \
+        config["providers"]["defaults"]["model"]
+
+
+def routed_table() -> dict:
+    """chat and code on awq4 (chat at every bucket, code at 64 and 256: code@128 stays on fp16), math on fp16."""
+    serve = {("chat", 64): "awq4", ("chat", 128): "awq4", ("chat", 256): "awq4", ("code", 64): "awq4",
+             ("code", 128): "fp16", ("code", 256): "awq4", ("math", 64): "fp16", ("math", 128): "fp16",
+             ("math", 256): "fp16"}
+    rows_ = [{"domain": d, "max_context_tokens": b, "serve": v} for (d, b), v in serve.items()]
+    rows_ += [{"domain": t, "max_context_tokens": b, "serve": "fp16"} for t in ("unknown", "ambiguous")
+              for b in (64, 128, 256)]
+    return {"baseline": "fp16", "buckets": [64, 128, 256], "dvc_lock_sha256": "ab" * 32, "rows": rows_,
+            "classifier": SHIPPED_RULES, "fleet": {"deployed": ["fp16", "awq4"]}}
+
+
+def test_no_request_quantgate_keeps_on_fp16_reaches_a_quantized_variant(tmp_path):
+    """Every combination of type, bucket and table id a gateway could send (unknown, ambiguous, none at all, an
+    older table's), with every keyword matching: only rows the plan serves with awq4 reach awq4. The chat guard's
+    keyword (the shipped `talk` pattern, \\u escapes rewritten) compiles with RE2 and passes the router's validator."""
+    import re2
+
+    from cli.commands.validate import validate_command
+    from pipelines.routing.router import metadata
+
+    table = routed_table()
+    config, notes = router_config(table)
+    keywords = {k["name"]: k["keywords"][0] for k in config["routing"]["signals"]["keywords"]}
+    assert set(keywords) == {"chat-talk"} and "\\x{4e00}" in keywords["chat-talk"]
+    re2.compile(keywords["chat-talk"])
+    assert any(n.startswith("chat: the guard leaves out") for n in notes)
+    validate_command(str(write_router_config(table, tmp_path / "vllm-sr.yaml")))
+    serve = {(r["domain"], r["max_context_tokens"]): r["serve"] for r in table["rows"]}
+    for domain in ("chat", "code", "math", "code_comment", "unknown", "ambiguous", None):
+        for bucket in (64, 128, 256, 512, None):
+            for digest in (table["dvc_lock_sha256"], "cd" * 32):
+                meta = {k: v for k, v in metadata({"domain": domain, "max_context_tokens": bucket}, digest).items()
+                        if v not in ("None",)} if domain and bucket else {}
+                model = decide(config, meta, set(keywords))
+                expected = serve.get((domain, bucket), "fp16") if digest == table["dvc_lock_sha256"] else "fp16"
+                assert model == expected, (domain, bucket, digest, model)
+    # the guard narrows: a chat request whose text has no mark of conversation stays on fp16
+    chat = metadata({"domain": "chat", "max_context_tokens": 64}, table["dvc_lock_sha256"])
+    assert decide(config, chat, set()) == "fp16" and decide(config, chat, {"chat-talk"}) == "awq4"

@@ -328,6 +328,13 @@ class RouteParams(Section):
     max_deployments: int | None = Field(None, ge=1)   # fp16 counts as one; None = as many as pay for themselves
     fleet: FleetParams = FleetParams()
 
+    @model_validator(mode="after")
+    def _pool_holds_a_request(self):
+        if self.fleet.kv_pool_tokens < self.context_buckets[-1]:
+            raise ValueError(f"fleet.kv_pool_tokens ({self.fleet.kv_pool_tokens}) must hold a request of the largest "
+                             f"context bucket ({self.context_buckets[-1]} tokens): a replica could not serve it")
+        return self
+
     @field_validator("context_buckets")
     @classmethod
     def _buckets(cls, value: list[int]):

@@ -18,10 +18,11 @@ The search is exact: every subset of the eligible variants (2^k sets for k of th
 At k = 4 that is 16 sets; it stays under a second to about k = 16 (65,536 sets x rows); past about 20 variants a
 solver (an integer program) would be needed.
 
-Stable by construction: plans whose fleet bytes differ by less than what the memory stage's footprint noise can move
-(memory.noise_floor_bytes on every replica, `margin`) count as equal, and among equals the plan with the fewest
-deployments wins, then the one closest to the rows' own choices, then names: the same inputs always give the same
-plan, and noise-sized changes in one variant's cost do not reshuffle the fleet (`stability` measures it).
+Stable under noise: plans whose fleet bytes differ by less than what footprint noise can move (memory.noise_floor_bytes
+on every replica, `margin`) count as equal, and among equals the plan with the fewest deployments wins, then the one
+closest to the rows' own choices, then names. The same inputs always give the same plan, and a noise-sized change in
+one variant's cost does not reshuffle the fleet unless that variant's earnings sit at the margin itself: `stability`
+measures it, `headroom_bytes` says how far each deployed variant is from that edge, and a note flags one within it.
 """
 
 from __future__ import annotations
@@ -60,20 +61,32 @@ def request_bytes(replica: float, tokens: int, fleet) -> float:
 def row_shares(rows: list[dict], coverage: dict | None, shadow: dict | None, baseline: str) -> tuple[dict, list[str]]:
     """Each (type, bucket) row's share of production traffic, and notes on how it was estimated.
 
-    Type shares: coverage.json `domains.<type>.production_share`; the rest of the sample (unknown, ambiguous) is
-    fp16's, on the `unknown`/`ambiguous` rows. A type's split over its buckets: the shadow replay's request counts
-    per bucket (fp16's, which replays everything); a type it replayed none of splits evenly, and the notes say so."""
+    Type shares: coverage.json `domains.<type>.production_share` (`unknown.production_share` for the unknown rows;
+    what no type claims is the ambiguous rows'). A type's split over its buckets: the shadow replay's request counts
+    per bucket (the first replayed variant whose replay finished: they all replay the same traffic); a type it
+    replayed none of splits evenly, and the notes say so. A share that is not a number in [0, 1], or shares adding up
+    to more than 1, is an error naming the file and key."""
+    from pipelines.core.errors import QuantgateError
+
     notes = []
     by_type: dict[str, list[int]] = {}
     for r in rows:
         by_type.setdefault(r["domain"], []).append(r["max_context_tokens"])
     domains = (coverage or {}).get("domains") or {}
+    for key, entry in [*((f"domains.{t}", d) for t, d in domains.items()), ("unknown", (coverage or {}).get("unknown"))]:
+        share = (entry or {}).get("production_share") if isinstance(entry, dict) else None
+        if (entry is not None or key != "unknown") and not (usable(share) and 0 <= share <= 1):
+            raise QuantgateError(f"results/calibration/coverage.json: key '{key}.production_share': {share!r} is not a "
+                                 "share of production requests in [0, 1]; re-run `quantgate calibrate`")
     claimed = sum(float(d.get("production_share") or 0) for name, d in domains.items() if name in by_type)
     shares_by_type = {t: float((domains.get(t) or {}).get("production_share") or 0) for t in by_type if t in domains}
     unknown = (coverage or {}).get("unknown") or {}
     if UNKNOWN in by_type and usable(unknown.get("production_share")):
         shares_by_type[UNKNOWN] = float(unknown["production_share"])
         claimed += shares_by_type[UNKNOWN]
+    if claimed > 1.01:  # coverage.json rounds each share to 4 decimals: 1.0001 is rounding, 1.8 is a broken file
+        raise QuantgateError(f"results/calibration/coverage.json: the production shares add up to {claimed:.4f}, more "
+                             "than all of the sample; re-run `quantgate calibrate`")
     rest = [t for t in by_type if t not in shares_by_type]
     for t in rest:  # ambiguous and types the sample never shows share what no type claims
         shares_by_type[t] = max(0.0, 1.0 - claimed) / len(rest)
@@ -81,7 +94,8 @@ def row_shares(rows: list[dict], coverage: dict | None, shadow: dict | None, bas
         notes.append("no coverage numbers (results/calibration/coverage.json): every request type weighs the same")
         shares_by_type = {t: 1 / len(by_type) for t in by_type}
     # every replayed model saw the same traffic: the first with agreement numbers counts it by bucket
-    replayed = next((m["agreement"] for m in ((shadow or {}).get("models") or {}).values() if m.get("agreement")), {})
+    replayed = next((m["agreement"] for m in ((shadow or {}).get("models") or {}).values()
+                     if m.get("status") == "ok" and m.get("agreement")), {})
     shares = {}
     for t, buckets in by_type.items():
         counts = {b: ((replayed.get(t) or {}).get(str(b)) or {}).get("requests", 0) for b in buckets}
@@ -123,9 +137,9 @@ class Fleet:
 
     def price(self, assignment: dict) -> float | None:
         """Expected fleet bytes of an assignment (None: fp16's memory was not measured)."""
-        if self.replica.get(self.baseline) is None:
-            return None
         deployed = {self.baseline, *assignment.values()}
+        if any(self.replica.get(d) is None for d in deployed):  # fp16 (or a variant) not priced: no fleet bytes
+            return None
         traffic = sum(self.shares.get(row, 0.0) * self.cost(v, row) for row, v in assignment.items())
         standby = sum(self.replica[d] for d in deployed) * self.fleet.standby_replicas
         return self.fleet.requests_in_flight * traffic + standby
@@ -136,11 +150,12 @@ class Fleet:
         return {"deployed": [self.baseline, *used], "assignment": assignment, "bytes": self.price(assignment)}
 
     def margin(self) -> float:
-        """The most the memory stage's footprint noise can move the difference between two plans' fleet bytes: every
-        replica's weights off by up to noise_bytes, in both plans, over the replicas fp16 alone would run."""
+        """The most footprint noise can move the difference between two plans' fleet bytes: every replica's weights
+        off by up to noise_bytes, in both plans, over the replicas the traffic needs plus every deployment's standby
+        (fp16 and each eligible variant)."""
         replicas = self.fleet.requests_in_flight * sum(
             share / min(self.fleet.requests_per_replica, self.fleet.kv_pool_tokens / row[1])
-            for row, share in self.shares.items()) + self.fleet.standby_replicas
+            for row, share in self.shares.items()) + self.fleet.standby_replicas * (1 + len(self.candidates))
         return 2 * self.noise_bytes * replicas
 
     def best(self, max_deployments: int | None = None, exactly: int | None = None) -> dict:
@@ -228,13 +243,17 @@ def plan_fleet(table: dict, report: dict, coverage: dict | None, shadow: dict | 
     if fp16_bytes is None:
         notes.append("fp16's memory was not measured: no plan can be priced; every row stays on fp16")
         chosen = alone
+    earns, margin = fleet.earns(chosen), fleet.margin()
+    notes += [f"{v} earns the fleet {e:,.0f} B, within twice the noise margin ({margin:,.0f} B): a re-measurement "
+              "may drop it from the plan" for v, e in earns.items() if e is not None and e < 2 * margin]
     return {
         "objective": "requests_in_flight x sum(row share x request bytes) + standby_replicas x sum(replica bytes)",
         "fleet": route_params.fleet.model_dump(), "max_deployments": route_params.max_deployments,
         "deployed": chosen["deployed"], "fleet_bytes": chosen["bytes"],
         "assignment": {f"{t}@{b}": v for (t, b), v in chosen["assignment"].items()},
         "shares": {f"{t}@{b}": s for (t, b), s in shares.items()},
-        "replica_bytes": fleet.replica, "earns_bytes": fleet.earns(chosen), "noise_margin_bytes": fleet.margin(),
+        "replica_bytes": fleet.replica, "earns_bytes": earns, "noise_margin_bytes": margin,
+        "headroom_bytes": {v: None if e is None else e - margin for v, e in earns.items()},
         "alternatives": [summary("fp16 only", alone, fp16_bytes), summary("row by row", fleet.row_by_row(served),
                                                                           fp16_bytes),
                          summary("best single variant", single, fp16_bytes), summary("fleet plan", chosen, fp16_bytes)],

@@ -108,21 +108,26 @@ def build_plan(table: dict, policy_for, kserve_dir: str = "results/kserve") -> t
 
 def fleet_canaries(table: dict, types: dict, policy_for) -> list[dict]:
     """One canary per variant the fleet plan deploys, in the plan's order: the variant that earns the fleet the most
-    first (pipelines/routing/fleet.py `earns_bytes`; ties by name). Each takes every row the plan serves with it, by
-    the types' manifests that name it; a type whose manifest names another variant takes it in that type's later
-    canary (`waits_for`)."""
+    first (pipelines/routing/fleet.py `earns_bytes`; ties by name), but after any variant it waits for. Each takes
+    every row the plan serves with it, by the types' manifests that name it; a type whose manifest names another
+    variant takes it in that type's later canary, once that variant's canary is done (`waits_for`)."""
     earns = table["fleet"].get("earns_bytes") or {}
-    order = sorted(table["fleet"]["deployed"][1:], key=lambda v: (-(earns.get(v) or 0.0), v))
-    canaries = []
-    for n, variant in enumerate(order, start=1):
+    entries = {}
+    for variant in table["fleet"]["deployed"][1:]:
         takes = {d: sorted(r["max_context_tokens"] for r in table["rows"] if r["domain"] == d and r["serve"] == variant)
                  for d in types}
         takes = {d: b for d, b in takes.items() if b}
         now = [d for d in takes if (types[d].get("canary") or [{}])[0].get("variant") == variant]
-        canaries.append({"order": n, "variant": variant, "earns_bytes": earns.get(variant), "takes": takes,
-                         "kserve": [types[d]["canary"][0]["kserve"] for d in now],
-                         "waits_for": {d: types[d]["canary"][0]["variant"] for d in takes if d not in now},
-                         "schedule": [dict(step) for step in SCHEDULE],
-                         "stop_if": {d: stop_limits(policy_for(d)) for d in takes}})
+        entries[variant] = {"variant": variant, "earns_bytes": earns.get(variant), "takes": takes,
+                            "kserve": [types[d]["canary"][0]["kserve"] for d in now],
+                            "waits_for": {d: types[d]["canary"][0]["variant"] for d in takes if d not in now},
+                            "schedule": [dict(step) for step in SCHEDULE],
+                            "stop_if": {d: stop_limits(policy_for(d)) for d in takes}}
+    canaries: list[dict] = []
+    while entries:  # the most earning first, but never before a variant whose canary it waits for
+        ready = [v for v, e in entries.items()
+                 if not set(e["waits_for"].values()) & set(entries)]
+        variant = min(ready or entries, key=lambda v: (-(earns.get(v) or 0.0), v))
+        canaries.append({"order": len(canaries) + 1, **entries.pop(variant)})
     return canaries
 

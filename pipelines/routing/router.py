@@ -26,6 +26,7 @@ class Router:
         self.buckets: list[int] = sorted(table["buckets"])
         self.rows: dict[tuple[str, int], dict] = {(r["domain"], r["max_context_tokens"]): r for r in table["rows"]}
         self.classifier = Classifier(table["classifier"])  # the rules the table was built with (params.yaml requests)
+        self.digest: str | None = table.get("dvc_lock_sha256")
 
     @classmethod
     def from_file(cls, path: str | Path) -> Router:
@@ -56,14 +57,33 @@ class Router:
         return self.lookup(self.classifier.classify(text), context_tokens)
 
 
-def print_route(text: str, context_tokens: int) -> int:
-    """`quantgate route lookup TEXT --context-tokens N`: print the variant serving the request, and why on the log."""
+def table_id(digest: str | None) -> str:
+    """The routing table a row came from, as the router config names it: the first 16 hex digits of its dvc.lock
+    digest ("none" for a table built without one)."""
+    return (digest or "none")[:16]
+
+
+def metadata(row: dict, digest: str | None) -> dict[str, str]:
+    """The request metadata results/vllm-sr.yaml routes on (pipelines/routing/semantic_router.py): the row quantgate
+    decided (type and bucket) and the routing table it came from, so a gateway on older rules matches nothing."""
+    return {"quantgate_type": row["domain"], "quantgate_bucket": str(row["max_context_tokens"]),
+            "quantgate_table": table_id(digest)}
+
+
+def print_route(text: str, context_tokens: int, as_json: bool = False) -> int:
+    """`quantgate route lookup TEXT --context-tokens N [--json]`: print the variant serving the request (with --json,
+    the row and the router metadata for it), and why on the log."""
     import logging
 
     from pipelines.core.paths import ROUTING_TABLE
 
-    row = Router.from_file(ROUTING_TABLE).route(text, context_tokens)
-    print(row["serve"])
+    router = Router.from_file(ROUTING_TABLE)
+    row = router.route(text, context_tokens)
+    if as_json:
+        print(json.dumps({"serve": row["serve"], "domain": row["domain"], "max_context_tokens": row["max_context_tokens"],
+                          "metadata": metadata(row, router.digest)}))
+    else:
+        print(row["serve"])
     logging.getLogger("pipelines.route").info(
         "route: %s request, %d tokens (bucket <= %d): serve %s, fallback under memory pressure %s (%s)",
         row["domain"], context_tokens, row["max_context_tokens"], row["serve"], row["fallback_under_memory_pressure"],

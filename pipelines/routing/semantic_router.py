@@ -19,16 +19,28 @@ import ast
 import re
 from pathlib import Path
 
-TYPE_KEY, BUCKET_KEY = "quantgate_type", "quantgate_bucket"
+from pipelines.routing.router import table_id
+
+TYPE_KEY, BUCKET_KEY, TABLE_KEY = "quantgate_type", "quantgate_bucket", "quantgate_table"  # router.metadata
 PORT = 8000
-# Python regex features RE2 (the router's Go regexp) lacks: lookaround, backreferences, atomic groups, possessives
-NOT_RE2 = re.compile(r"\(\?(?:[=!]|<[=!]|P=|>)|\\[1-9]|[*+?}]\+")
-PY_UNICODE_ESCAPE = re.compile(r"(?<!\\)\\u([0-9a-fA-F]{4})")  # \u4e00 in Python is \x{4e00} in RE2
+PY_UNICODE_ESCAPE = re.compile(r"(?<!\\)\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8}))")  # Python's \uXXXX, \UXXXXXXXX
 
 
-def re2(pattern: str) -> str:
-    """A Python pattern in RE2's spelling, where only the escape differs (\\uXXXX -> \\x{XXXX})."""
-    return PY_UNICODE_ESCAPE.sub(r"\\x{\1}", pattern)
+def re2(pattern: str) -> str | None:
+    """A Python pattern in RE2's spelling (the router's Go regexp is RE2's syntax), or None where RE2 refuses it
+    (lookaround, backreferences, \\Z, (?x), repeats over 1,000, ...): checked by compiling it with RE2 itself."""
+    import re2 as google_re2
+
+    spelled = PY_UNICODE_ESCAPE.sub(lambda m: "\\x{" + (m.group(1) or m.group(2).lstrip("0") or "0") + "}", pattern)
+    options = google_re2.Options()
+    options.log_errors = False
+    try:
+        google_re2.compile(spelled, options=options)
+    except google_re2.error:
+        return None
+    return spelled
+
+
 LIMITS = [
     "the router matches raw text; quantgate matches PII-masked text (an SSN is not arithmetic to quantgate)",
     "match counts, sums and the built-in counts code_lines, comment_lines and chars have no router signal: a guard "
@@ -39,20 +51,28 @@ LIMITS = [
     f"travels as request metadata `{BUCKET_KEY}`",
     "fallback under memory pressure (the routing table's fallback_under_memory_pressure) has no router equivalent",
     "request metadata is the caller's: a caller that sets it routes its own request (the router grants nothing on it)",
+    "a request that names a model (e.g. awq4) instead of the router's auto model is not routed by these decisions: "
+    "the gateway should send every request as the auto model",
+    "the canary: this is the plan's end state; apply a variant's decision once its canary (results/rollout.yaml) "
+    "has reached 100 %, and keep it out of the file until then",
 ]
 
 
 def guard(when: str, patterns: dict[str, str]) -> tuple[dict | None, list[str]]:
     """The part of a `when` expression keyword signals can express, as a router rule node (None: nothing), and what
-    it leaves out. Only `name >= 1` (or `> 0`, `!= 0`) of a declared pattern, under `and` and `or`: the guard is
-    implied by the rule as far as the regexes match alike, and an `or` with a part left out is left out whole."""
+    it leaves out. Only `name >= 1` (or `> 0`, `!= 0`) of a declared pattern RE2 compiles, under `and` and `or`: the
+    guard is implied by the rule as far as the regexes match alike, and an `or` with a part left out is left out
+    whole (and listed whole)."""
     left_out: list[str] = []
     text = when.strip()
 
     def node(n: ast.AST) -> dict | None:
         if isinstance(n, ast.BoolOp):
+            mark = len(left_out)
             kids = [node(v) for v in n.values]
             if isinstance(n.op, ast.Or) and any(k is None for k in kids):
+                del left_out[mark:]
+                left_out.append(ast.get_source_segment(text, n) or ast.dump(n))
                 return None
             kids = [k for k in kids if k is not None]
             if not kids:
@@ -64,7 +84,7 @@ def guard(when: str, patterns: dict[str, str]) -> tuple[dict | None, list[str]]:
             op, value = n.ops[0], n.comparators[0].value
             positive = ((isinstance(op, ast.GtE) and value == 1) or (isinstance(op, ast.Gt) and value == 0)
                         or (isinstance(op, ast.NotEq) and value == 0))
-            if positive and not NOT_RE2.search(patterns[n.left.id]):
+            if positive and re2(patterns[n.left.id]) is not None:
                 return {"type": "keyword", "name": n.left.id}
         left_out.append(ast.get_source_segment(text, n) or ast.dump(n))
         return None
@@ -98,7 +118,8 @@ def router_config(table: dict) -> tuple[dict, list[str]]:
     for row in table["rows"]:
         if row["serve"] != baseline and row["domain"] in classifier:
             served.setdefault((row["domain"], row["serve"]), []).append(row["max_context_tokens"])
-    keywords, metadata, decisions, notes = [], [], [], []
+    keywords, notes, decisions = [], [], []
+    metadata = [{"name": "table", "key": TABLE_KEY, "predicate": {"equals": table_id(table.get("dvc_lock_sha256"))}}]
     for domain in dict.fromkeys(d for d, _ in served):
         rule = classifier[domain]
         patterns = rule.get("patterns") or {}
@@ -116,7 +137,8 @@ def router_config(table: dict) -> tuple[dict, list[str]]:
             metadata.append({"name": f"bucket-{domain}-{variant}", "key": BUCKET_KEY,
                              "predicate": {"in": [str(b) for b in sorted(buckets)]}})
             conditions = [{"type": "metadata", "name": f"type-{domain}"},
-                          {"type": "metadata", "name": f"bucket-{domain}-{variant}"}]
+                          {"type": "metadata", "name": f"bucket-{domain}-{variant}"},
+                          {"type": "metadata", "name": "table"}]
             if node is not None:
                 conditions.append(_prefixed(node, prefix))
             decisions.append({
@@ -150,13 +172,14 @@ def write_router_config(table: dict, path: Path) -> Path:
     from pipelines.core.io import atomic_write_text
 
     config, notes = router_config(table)
-    header = ["vLLM Semantic Router config (vllm-sr 0.4, `vllm-sr validate`) for quantgate's fleet plan, written by "
-              "`quantgate route`.",
+    header = ["vLLM Semantic Router config (vllm-sr 0.4) for quantgate's fleet plan, written by `quantgate route`; "
+              "check it with `vllm-sr config validate --config results/vllm-sr.yaml`.",
               f"Deployments: {', '.join(table['fleet']['deployed'])}. Endpoints quantgate-<variant>:{PORT} are "
               "placeholders: point backend_refs at your services.",
-              f"A request reaches a quantized variant only with metadata {TYPE_KEY} and {BUCKET_KEY} set from "
-              "`quantgate route lookup` (the row's domain and max_context_tokens); without them it is "
-              f"{table['baseline']}'s.", "Not expressed by the router's signals:",
+              f"A request reaches a quantized variant only with request metadata {TYPE_KEY}, {BUCKET_KEY} and "
+              f"{TABLE_KEY} as `quantgate route lookup TEXT --context-tokens N --json` prints them for it "
+              f"(this table's {TABLE_KEY}: {table_id(table.get('dvc_lock_sha256'))}); "
+              f"without them it is {table['baseline']}'s.", "Not expressed by the router's signals:",
               *[f"  - {line}" for line in LIMITS], *[f"  - {line}" for line in notes]]
     text = "".join(f"# {line}\n" for line in header) + yaml.safe_dump(config, sort_keys=False, allow_unicode=True)
     atomic_write_text(path, text)
