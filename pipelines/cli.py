@@ -78,11 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     lookup = p.add_subparsers(dest="action", metavar="[lookup]").add_parser(
         "lookup", help="classify TEXT and print the variant that serves it")
     lookup.add_argument("text")
-    lookup.add_argument("--context-tokens", type=int, required=True, metavar="N",
-                        help="prompt plus expected output length, in tokens")
-    lookup.add_argument("--json", action="store_true", dest="as_json",
-                        help="print the row as JSON: serve, domain, max_context_tokens and the table's digest (the "
-                             "request metadata results/vllm-sr.yaml routes on, docs/route.md)")
+    lookup.add_argument("--context-tokens", type=int, required=True, metavar="N", help="prompt + output tokens")
+    lookup.add_argument("--json", action="store_true", dest="as_json", help="the row and its router metadata as JSON")
     verb("record", "stage 8: parent + child runs in MLflow, passing variants into the registry")
     p = verb("fanout", "run the per-variant chains (quantize/admit, memory, baseline, evaluate) as Ray tasks on a "
                        "cluster and record them in dvc.lock; then dvc repro does the rest")

@@ -141,7 +141,7 @@ def test_compare_and_route_stages(pipeline_run):
     assert looked_up.returncode == 0 and looked_up.stdout == sql_row["serve"] + "\n", looked_up.stderr
     assert "sql request" in looked_up.stderr + looked_up.stdout
     # every request of the shipped production sample is served by what the table says for its domain:
-    # the cheapest variant that passed it (and saves enough), fp16 where none did
+    # a deployed variant of the fleet plan that passed it (and saves enough), fp16 where none did
     from pipelines.routing.router import Router
 
     router = Router.from_file(repo / "results" / "routing_table.json")
@@ -157,10 +157,12 @@ def test_compare_and_route_stages(pipeline_run):
         assert row["serve"] in passing + ["fp16"]
         # the shadow replay may refuse a passing variant (docs/shadow.md): the cheapest of those it let through serves
         listened = [c["variant"] for c in row["considered"] if c["verdict"] == "pass" and not c.get("shadow_refused")]
+        # alone, the row takes the cheapest of those; the fleet plan (docs/route.md) serves it from a deployed one
+        assert row["row_by_row"] == "fp16" or footprint[row["row_by_row"]] == min(footprint[n] for n in listened)
         if row["serve"] == "fp16":
-            assert not listened or row["reason"].startswith("passing variants save less than")
+            assert not listened or row["reason"].startswith(("passing variants save less than", "fleet plan: fp16"))
         else:
-            assert footprint[row["serve"]] == min(footprint[n] for n in listened)
+            assert row["serve"] in listened and row["serve"] in table["fleet"]["deployed"]
 
 
 def test_record_stage_and_gate(pipeline_run):
