@@ -23,7 +23,8 @@ from pipelines.routing.router import table_id
 
 TYPE_KEY, BUCKET_KEY, TABLE_KEY = "quantgate_type", "quantgate_bucket", "quantgate_table"  # router.metadata
 PORT = 8000
-PY_UNICODE_ESCAPE = re.compile(r"(?<!\\)\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8}))")  # Python's \uXXXX, \UXXXXXXXX
+# Python's 4- and 8-hex-digit unicode escapes (\u4e00, \U0001f600), which RE2 spells \x{4e00}, \x{1f600}
+PY_UNICODE_ESCAPE = re.compile(r"(?<!\\)\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8}))")
 
 
 def re2(pattern: str) -> str | None:
