@@ -49,6 +49,7 @@ def main(variant: list[str] | None = None, seed: int | None = None) -> int:
     if result.get("error"):
         lines.append(f"  - {result['error']}")
     lines += [f"  - {describe(problem)}" for problem in result["problems"][:12]]
+    lines += [f"  - {name}: not audited: {why}" for name, why in (result.get("skipped") or {}).items()]
     if len(result["problems"]) > 12:
         lines.append(f"  ... {len(result['problems']) - 12} more in {AUDIT_RESULT}")
     if "largest_difference" in result:

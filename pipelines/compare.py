@@ -38,7 +38,8 @@ def main() -> int:
     log = logging.getLogger(__name__)
     params = load_params()
     plans = probe_plans(params.evaluate.domains, params.evaluate)
-    report = compare_all(list(params.variants), list(params.candidates), plans, params.compare, RESULTS, VARIANTS_DIR)
+    report = compare_all(list(params.variants), list(params.candidates), plans, params.compare, RESULTS, VARIANTS_DIR,
+                         params.judged_elsewhere())
     report["dvc_lock_sha256"] = lock_digest()  # what `gate` checks the results against
     report["dvc_lock_stages"] = stage_digests()  # and, when they differ, names the stages that changed since
     write_json(REPORT, report)

@@ -17,7 +17,8 @@ from pipelines.core.params import load_params
 from pipelines.core.paths import BASELINE, BASELINE_RESULTS, EVAL_RESULTS, FIDELITY_BASE, FIDELITY_TEXTS, VARIANTS_DIR
 from pipelines.evaluation.console import EVALUATE_VARIANT, log_probes, pop_texts
 from pipelines.evaluation.plans import by_id, correctness, probe_plans
-from pipelines.models.loading import resolve_device
+from pipelines.evaluation import sample_logs
+from pipelines.models.loading import log_only, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,15 @@ def main(variant: str, failed_because: str | None = None) -> int:
         return 0
     plans = probe_plans(p.domains, p)
     base_rows = read_jsonl(BASELINE_RESULTS / "items.jsonl")
+    if log_only(VARIANTS_DIR / variant):  # evaluated elsewhere: its lm-eval log
+        result, items = sample_logs.evaluate(variant, VARIANTS_DIR / variant, plans, base_rows,
+                                             read_json(BASELINE_RESULTS / "eval.json"), params.compare,
+                                             p.allow_unisolated_code)
+        write_jsonl(EVAL_RESULTS / variant / "items.jsonl", items)
+        write_jsonl(EVAL_RESULTS / variant / FIDELITY_TEXTS, [])
+        write_json(EVAL_RESULTS / f"{variant}.json", result)
+        log_probes(variant, result)
+        return 0
     baseline = {d: correctness(by_id(base_rows, d)) for d in plans}
     with logs.progress(total=1, desc=f"evaluate {variant}", bar_format="{desc}: {elapsed}") as bar:
         device = resolve_device(params.device)

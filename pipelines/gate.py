@@ -96,6 +96,9 @@ def decide(report: dict | None, fresh: dict | None, params: Params, changes: lis
         replay = shadow_failures(name, shadow, table)
         outcomes += ["fail"] * bool(replay)
         result["reasons"].extend(replay)
+        replayed = ((shadow or {}).get("models") or {}).get(name) or {}
+        if replayed.get("status") == "not_measured":  # a candidate judged from its sample log: said, never skipped
+            result["reasons"].append(f"{name}: {replayed.get('reason')}; the routing table serves nothing from it")
         verdicts = [*per_domain.values(), *(["fail"] if replay else [])]
         result["variants"][name] = {"verdict": worst(verdicts), "domains": per_domain}
     if broken:
@@ -188,14 +191,23 @@ def render_report(result: dict, report: dict | None, table: dict | None, policy_
                     lines.append(f"| {name} | {domain} | **{d['verdict']}** | – | – | – | – | – | – |")
                     continue
                 growth = ((d.get("checks") or {}).get("growth_excess_pct") or {}).get("value")
-                looks = d.get("looks") or {}
+                looks, not_here = d.get("looks") or {}, d.get("not_checked_here") or {}
                 lines.append(f"| {name} | {domain} | **{d['verdict']}** | {_fmt(p.get('items'), 'd')} "
                              f"({looks.get('look')} of {len(looks.get('looks') or [])}) | {_fmt(p.get('accuracy'), '.3f')} "
                              f"({_fmt(p.get('accuracy_fp16'), '.3f')}) | {_fmt(p.get('difference'), '+.3f')} "
                              f"[{_fmt(p.get('ci_low'), '+.3f')}, {_fmt(p.get('ci_high'), '+.3f')}] "
                              f"({_fmt(100 * p['confidence'] if usable(p.get('confidence')) else None, '.1f')} %) | "
                              f"{_fmt(p.get('correct_to_wrong'), 'd')}/{_fmt(p.get('wrong_to_correct'), 'd')} | "
-                             f"{_fmt((fid.get('kl') or {}).get('p99'), '.3g')} | {_fmt(growth, '+.2f')} % |")
+                             + ("not measured here | " if "fidelity" in not_here else
+                                f"{_fmt((fid.get('kl') or {}).get('p99'), '.3g')} | ")
+                             + ("not measured here |" if "memory" in not_here else f"{_fmt(growth, '+.2f')} % |"))
+        lines.append("")
+    elsewhere = {n: (report or {}).get("variants", {}).get(n, {}).get("evidence") for n in result["gated"]}
+    if any(elsewhere.values()):  # candidates judged from lm-eval sample logs (pipelines/evaluation/sample_logs.py)
+        lines += ["### Evidence from sample logs", ""] + [
+            f"- {n}: lm-eval sample log, backend `{e.get('backend')}`, model_args `{e.get('model_args')}`, lm-eval "
+            f"{e.get('lm_eval_version')}: paired with fp16 here; KL, memory, the shadow replay and the audit's re-run "
+            "need a model here and were not measured (the reasons say what that leaves)" for n, e in elsewhere.items() if e]
         lines.append("")
     if result["reasons"]:
         lines += ["### Why", ""] + [f"- {r}" for r in result["reasons"]] + [""]
@@ -234,6 +246,7 @@ def _audit(params, variant: list[str] | None, seed: int | None) -> dict:
     found = audit(params, names, seed, resolve_device(params.device))  # its child shows the progress
     write_json(AUDIT_RESULT, found)
     return {"verdict": found["verdict"], "seed": seed, "lines": [describe(p) for p in found["problems"]],
+            "skipped": [f"{name}: {why}" for name, why in found["skipped"].items()],
             "largest_difference": found["largest_difference"]}
 
 
@@ -272,7 +285,7 @@ def main(variant: list[str] | None = None, promote: bool = False, audit: bool = 
         if not changes:  # recompute the comparison from the per-item records: the same function compare ran
             fresh = compare_all(list(params.variants), list(params.candidates),
                                 probe_plans(params.evaluate.domains, params.evaluate), params.compare, RESULTS,
-                                VARIANTS_DIR)
+                                VARIANTS_DIR, params.judged_elsewhere())
         shadow = read_json(SHADOW_REPORT) if SHADOW_REPORT.is_file() else None
         result = decide(report, fresh, params, changes, lock_digest(), variant or None, stage_digests(), shadow, table)
         if audit and not changes:  # a stale workspace is undecided already: its checkpoints are not DVC's
@@ -282,6 +295,7 @@ def main(variant: list[str] | None = None, promote: bool = False, audit: bool = 
                 result["reasons"] = ["the audit re-measured recorded evidence and it disagrees (results/audit.json; "
                                      "repeat with --audit-seed {}): re-run the stages named, do not edit results"
                                      .format(result["audit"]["seed"]), *result["audit"]["lines"], *result["reasons"]]
+            result["reasons"] += [f"audit: {line}" for line in result["audit"]["skipped"]]
         digest = results_digest()
         result["results_digest"] = digest
         result["git"] = recorded_commit()  # as record tags it: a workspace's checkout commit

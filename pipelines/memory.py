@@ -208,7 +208,7 @@ def main(variant: str, failed_because: str | None = None, inject_leak_bytes: int
     from pipelines.core.io import write_json
     from pipelines.core.params import load_params
     from pipelines.core.paths import MEMORY_RESULTS, MEMORY_TRACES, VARIANTS_DIR
-    from pipelines.models.loading import resolve_device
+    from pipelines.models.loading import NOT_MEASURED, log_only, resolve_device
 
     params = load_params()
     params.model_under_test(variant)
@@ -221,6 +221,13 @@ def main(variant: str, failed_because: str | None = None, inject_leak_bytes: int
                                                         "error": failed_because})
         write_trace_index(traces, {})
         log.warning("memory %s: recorded as FAILED (%s)", variant, failed_because)
+        return 0
+    if log_only(VARIANTS_DIR / variant):  # an lm-eval sample log (pipelines/evaluation/sample_logs.py): no model here
+        write_json(MEMORY_RESULTS / f"{variant}.json", {"variant": variant, "device": None, "status": NOT_MEASURED,
+                                                        "reason": "its evidence is an lm-eval sample log: no model "
+                                                                  "here to load"})
+        write_trace_index(traces, {})
+        log.info("memory %s: not measured (an lm-eval sample log: no model here)", variant)
         return 0
     p = params.memory
     with logs.progress(total=1 + len(p.compare_allocators) * (device == "cuda"), desc=f"memory {variant} ({device})",

@@ -38,5 +38,6 @@ def main() -> int:
                      f"{row['footprint_bytes']:,}", "n/a" if excess is None else f"{excess:+.3f} %", row["leak"],
                      f"  OUT OF MEMORY: {row['oom']}" if row["oom"] else "")
         else:
-            log.info("memory-report %-10s FAILED: %s", name, row["error"])
+            log.info("memory-report %-10s %s: %s", name, row["status"].upper().replace("_", " "),
+                     row.get("error") or row.get("reason"))
     return 0

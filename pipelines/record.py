@@ -31,6 +31,7 @@ from pipelines.core.paths import (BASELINE, BUILT_DIR, COMPARE_REPORT, COMPARE_T
                                   ROUTER_CONFIG, ROUTING_TABLE, SHADOW_METRICS, SHADOW_REPORT, VARIANTS_DIR)
 from pipelines.judging.comparison import flat_rows
 from pipelines.judging.verdict import shadow_failures
+from pipelines.models.loading import LOG_SOURCE
 from pipelines.store.client import experiment_id, recording_lock, served, using_store
 from pipelines.store.layout import (FORMAT_TAG, KIND_TAG, RECORD_FORMAT, RUN_TYPE_EVALUATION, RUN_TYPE_TAG,
                                     SHADOW_RUN_NAME, checkpoint_sha256, child_description, child_metrics, child_params,
@@ -207,7 +208,7 @@ def _record_child(name: str, report: dict, params: Params, root: Path, digest: s
         tags["memory.growth_cause"] = (memory.get("growth_cause") or "")[:4000]
     for domain, d in ((row or {}).get("domains") or {}).items():
         tags[f"verdict.{domain}"] = d["verdict"]
-        if d["verdict"] != "pass":
+        if d["verdict"] != "pass" or d.get("not_checked_here"):  # a pass on evidence judged partly elsewhere says so
             tags[f"reasons.{domain}"] = "; ".join(d["reasons"])[:4000]
     settings = params.variants[name].model_dump(mode="json") if name in params.variants else \
         params.candidates[name].model_dump(mode="json") if name in params.candidates else None
@@ -222,7 +223,10 @@ def _record_child(name: str, report: dict, params: Params, root: Path, digest: s
         if (manifest or {}).get("calibration"):
             _dataset_inputs([("calibration-mixed", root / BUILT_DIR / "mixed.jsonl")], "calibration")
         checkpoint = None
-        if name != BASELINE and row["verdict"] == "pass":
+        if name != BASELINE and row["verdict"] == "pass" and (manifest or {}).get("source") == LOG_SOURCE:
+            checkpoint = {"refused": "its evidence is an lm-eval sample log: no checkpoint here to register"}
+            mlflow.set_tag("registry", f"not registered: {checkpoint['refused']}")
+        elif name != BASELINE and row["verdict"] == "pass":
             try:
                 checkpoint = log_checkpoint(root / VARIANTS_DIR / name)
             except QuantgateError as err:  # not registered: a version must name the bytes that were gated

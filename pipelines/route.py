@@ -51,6 +51,8 @@ def shadow_numbers(shadow: dict, name: str, domain: str, tokens: int,
     model = shadow.get("models", {}).get(name)
     if model is None:
         return None, f"not in the shadow replay ({name} was not replayed)"
+    if model.get("status") == "not_measured":
+        return None, model.get("reason") or "not replayed"
     if model.get("status") != "ok":
         return None, f"shadow replay failed ({model.get('error') or 'no error recorded'})"
     by_bucket = (model.get("agreement") or {}).get(domain) or {}
@@ -164,6 +166,9 @@ def build_table(report: dict, buckets: list[int], policy_for, variants_dir: Path
                 why = f"cheapest passing variant, saves {chosen['saving_pct']:.1f} % against fp16 at {tokens} tokens"
             if refused:
                 why += f" (shadow replay refused {refused})"
+            unpriced = [c["variant"] for c in considered if c["verdict"] == "pass" and c["saving_pct"] is None]
+            if unpriced:  # a candidate judged from its sample log: no memory measured here to price it by
+                why += f" ({', '.join(unpriced)} passed but cannot serve: its memory was not measured here)"
             rows.append(serve_row({"domain": domain, "max_context_tokens": tokens, "considered": considered},
                                   serve, passing[0]["variant"] if passing else BASELINE, why, base_cost, report,
                                   variants_dir, digest))

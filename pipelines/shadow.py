@@ -24,6 +24,7 @@ from pipelines.core.paths import (BASELINE, COMPARE_REPORT, PLOTS_DIR, SHADOW_DI
                                   VARIANTS_DIR)
 from pipelines.replay import agreement, plots, traffic
 from pipelines.replay.engine import replay
+from pipelines.models.loading import NOT_MEASURED, log_only
 from pipelines.text.classify import Classifier
 from pipelines.text.pii import mask
 
@@ -72,6 +73,8 @@ def run(params: Params, report: dict, variants_dir: Path, device: str, out_repor
     waits = [arrive[g[-1]] for g in groups] if arrive else None
     ids = [[requests[i].ids for i in g] for g in groups]
     models = [BASELINE, *[n for n in passing(report) if n != BASELINE]]
+    elsewhere = [n for n in models if log_only(variants_dir / n)]  # an lm-eval sample log: no model here to replay
+    models = [n for n in models if n not in elsewhere]
     log.info("shadow: %d requests from %s, %d replayed (%d too long) in %d batches through %s", len(requests), path,
              len(kept), len(requests) - len(kept), len(groups), ", ".join(models))
     _warn_if_too_few([requests[i].type for i in kept], report, p.min_requests)
@@ -107,6 +110,10 @@ def run(params: Params, report: dict, variants_dir: Path, device: str, out_repor
             entry["agreement"] = agreement.agreement(types, buckets, runs[BASELINE]["answers"], r["answers"],
                                                      texts[BASELINE], texts[name], refs)
         shadow["models"][name] = entry
+    for name in elsewhere:
+        shadow["models"][name] = {"status": NOT_MEASURED, "error": None,
+                                  "reason": "not replayed: its evidence is an lm-eval sample log, no model here"}
+        log.info("shadow %s: not replayed (an lm-eval sample log: no model here)", name)
     write_json(out_report, shadow)
     write_json(out_metrics, _metrics(runs, report))
     _answers(answers_dir / "answers.jsonl", requests, kept, texts, p.store)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -211,7 +212,10 @@ def pipeline_run(tmp_path_factory):
     """`dvc repro` (twice) in a temporary copy of the repository with a fifth request type and a broken candidate."""
     import yaml
 
+    from pipelines.core.params import load_params
+    from pipelines.evaluation.plans import probe_plans
     from tests.pipeline_e2e_helpers import add_sql_request_type, dvc, repo_copy
+    from tests.sample_log_helpers import lm_eval_log
 
     repo = repo_copy(tmp_path_factory.mktemp("repo"))
     params = yaml.safe_load((repo / "params.yaml").read_text())
@@ -232,8 +236,18 @@ def pipeline_run(tmp_path_factory):
     broken.mkdir(parents=True)
     (broken / "config.json").write_text("{}")
     (broken / "pytorch_model.bin").write_bytes(b"\x80\x04")
-    params["candidates"] = {"vendor-gptq": {"path": "third_party/vendor-gptq"}}
+    # and a candidate judged from its lm-eval sample log (pipelines/evaluation/sample_logs.py): the shipped model in
+    # bfloat16 run through the real `lm_eval` command, as a team runs its model where it serves it; memory and KL
+    # declared measured elsewhere (a log gives neither)
+    params["candidates"] = {"vendor-gptq": {"path": "third_party/vendor-gptq"},
+                            "vendor-log": {"path": "third_party/vendor-log", "source": "samples",
+                                           "judged_elsewhere": ["memory", "fidelity"]}}
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    with contextlib.chdir(repo):
+        evaluate = load_params().evaluate
+        plan = probe_plans(evaluate.domains, evaluate)
+    lm_eval_log(repo / "reference_model", repo / "third_party" / "vendor-log", plan, repo, evaluate.batch_size,
+                "bfloat16")
     first = dvc(["repro"], repo)
     assert first.returncode == 0, first.stdout + first.stderr
     second = dvc(["repro"], repo)

@@ -97,6 +97,31 @@ def test_evaluate_stage_per_variant(pipeline_run):
     assert rejected["status"] == "failed" and "not usable" in rejected["error"]
 
 
+def test_a_candidate_judged_from_its_lm_eval_sample_log(pipeline_run):
+    """admit copies the log, memory and the shadow replay say they cannot measure it, evaluate pairs it with fp16's
+    records and cuts it where the looks decide; route serves nothing from it."""
+    repo, first, _ = pipeline_run
+    manifest = json.loads((repo / "models" / "variants" / "vendor-log" / "quantgate.json").read_text())
+    assert manifest["status"] == "ok", manifest.get("error")
+    assert manifest["source"] == "samples" and manifest["evidence"]["backend"] == "hf"
+    assert json.loads((repo / "results" / "memory" / "vendor-log.json").read_text())["status"] == "not_measured"
+    result = json.loads((repo / "results" / "eval" / "vendor-log.json").read_text())
+    assert result["status"] == "ok", result.get("error")
+    row = json.loads((repo / "results" / "compare.json").read_text())["variants"]["vendor-log"]
+    assert row["kind"] == "candidate" and row["evidence"]["backend"] == "hf"
+    for domain, d in row["domains"].items():
+        if domain == "code" and not sandbox.isolation_available():
+            continue
+        assert d["paired"]["items"] == d["looks"]["looks"][d["looks"]["look"] - 1], (domain, d["reasons"])
+        assert set(d["not_checked_here"]) == {"fidelity", "memory"}
+        assert not d["identical_to_fp16"]  # bfloat16: its multiple-choice log-likelihoods are not fp16's
+    shadow = json.loads((repo / "results" / "shadow.json").read_text())["models"]
+    if any(d["verdict"] == "pass" for d in row["domains"].values()):  # replayed: what passed somewhere; a log has no model
+        assert shadow["vendor-log"]["status"] == "not_measured"
+    table = json.loads((repo / "results" / "routing_table.json").read_text())
+    assert all(r["serve"] != "vendor-log" for r in table["rows"])
+
+
 def test_compare_and_route_stages(pipeline_run):
     from pipelines.core import lineage
 
@@ -106,7 +131,7 @@ def test_compare_and_route_stages(pipeline_run):
     assert report["plans"] == {**{d: {"pool": pools[d], "looks": [20, 30, 40]} for d in ("math", "code", "chat", "code_comment")},
                                "sql": {"pool": 40, "looks": [20, 30, 40]}}
     assert report["domains"] == ["math", "code", "chat", "code_comment", "sql"]  # declaration order
-    assert set(report["variants"]) == {"int8", "awq4", "gptq3", "vendor-gptq"}
+    assert set(report["variants"]) == {"int8", "awq4", "gptq3", "vendor-gptq", "vendor-log"}
     for name, v in report["variants"].items():
         assert v["verdict"] in ("pass", "inconclusive", "fail")
         for domain, d in v["domains"].items():
@@ -156,7 +181,8 @@ def test_compare_and_route_stages(pipeline_run):
         passing = [n for n, v in report["variants"].items() if v["domains"][row["domain"]]["verdict"] == "pass"]
         assert row["serve"] in passing + ["fp16"]
         # the shadow replay may refuse a passing variant (docs/shadow.md): the cheapest of those it let through serves
-        listened = [c["variant"] for c in row["considered"] if c["verdict"] == "pass" and not c.get("shadow_refused")]
+        listened = [c["variant"] for c in row["considered"] if c["verdict"] == "pass" and not c.get("shadow_refused")
+                    and c["saving_pct"] is not None]  # (a candidate judged from its sample log has no memory here)
         # alone, the row takes the cheapest of those; the fleet plan (docs/route.md) serves it from a deployed one
         assert row["row_by_row"] == "fp16" or footprint[row["row_by_row"]] == min(footprint[n] for n in listened)
         if row["serve"] == "fp16":
@@ -177,7 +203,7 @@ def test_record_stage_and_gate(pipeline_run):
     runs = client.search_runs([run["experiment_id"]])
     kids = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == run["parent_run_id"]]
     children = {r.data.tags["quantgate.variant"] for r in kids if r.data.tags.get("quantgate.kind") != "shadow"}
-    assert children == {"fp16", "int8", "awq4", "gptq3", "vendor-gptq"} and len(runs) == 7  # + the shadow replay's run
+    assert children == {"fp16", "int8", "awq4", "gptq3", "vendor-gptq", "vendor-log"} and len(runs) == 8  # + the shadow's
     assert run["shadow_run_id"] in {r.info.run_id for r in kids}
     assert next(r for r in kids if r.data.tags.get("quantgate.variant") == "vendor-gptq").info.run_name.startswith(
         "vendor-gptq · fail: ")  # the runs table shows each child's verdicts in its name
@@ -193,6 +219,10 @@ def test_record_stage_and_gate(pipeline_run):
     result = json.loads((repo / "results" / "gate.json").read_text())
     assert result["verdict"] == "fail" and result["mlflow_run_id"] == run["parent_run_id"]
     assert any(r.startswith("vendor-gptq math: quantize/admit failed") for r in result["reasons"])
+    # the candidate judged from its sample log: what it could not measure here is in the gate's reasons and the report
+    said = [r for r in result["reasons"] if r.startswith("vendor-log")]
+    assert any("KL not measured here" in r for r in said) and any("not replayed" in r for r in said), said
+    assert "### Evidence from sample logs" in (repo / "results" / "report.md").read_text()
     assert (repo / "results" / "report.md").read_text().startswith("## quantgate release gate: FAIL")
     assert run["results_digest"] == lineage.results_digest(repo / "dvc.lock")
     # the whole loop: what passed every domain and the shadow replay is registered (int8, nearly lossless, unless its
@@ -202,7 +232,8 @@ def test_record_stage_and_gate(pipeline_run):
     report = json.loads((repo / "results" / "compare.json").read_text())
     shadow = json.loads((repo / "results" / "shadow.json").read_text())
     table = json.loads((repo / "results" / "routing_table.json").read_text())
-    releasable = {n for n, v in report["variants"].items() if v["verdict"] == "pass" and not shadow_failures(n, shadow, table)}
+    releasable = {n for n, v in report["variants"].items() if v["verdict"] == "pass" and not shadow_failures(n, shadow, table)
+                  and n != "vendor-log"}  # a sample log is no checkpoint: nothing to register
     registered = [r["variant"] for r in run["registered"]]
     assert set(registered) == releasable and registered, (registered, releasable)
     candidate = registered[-1]

@@ -173,6 +173,10 @@ class Params(Section):
         """The registry name for this base model's quantized versions (one per model, never mixed)."""
         return self.mlflow.registered_model or "quantgate-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", self.model).strip("-")
 
+    def judged_elsewhere(self) -> dict[str, list[str]]:
+        """Per candidate judged from its lm-eval sample log: the checks its team declared measured elsewhere."""
+        return {name: list(c.judged_elsewhere) for name, c in self.candidates.items() if c.judged_elsewhere}
+
     def model_under_test(self, name: str) -> VariantParams | CandidateParams:
         if name in self.variants:
             return self.variants[name]

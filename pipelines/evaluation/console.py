@@ -17,7 +17,12 @@ def log_probes(name: str, result: dict) -> None:
         if row["status"] != "ok":
             log.warning("evaluate %s %-12s REFUSED: %s", name, domain, row["reason"])
             continue
-        fid = result["fidelity"][domain.split(":")[0]]  # a standard task row `<domain>:<task>` has its domain's
+        fid = (result.get("fidelity") or {}).get(domain.split(":")[0])  # a task row `<domain>:<task>`: its domain's
+        if fid is None:  # a sample log (pipelines/evaluation/sample_logs.py) has no token distributions
+            log.info("evaluate %s %-12s %s %.3f (%d items%s)  KL %s", name, domain, row["metric"], row["score"],
+                     row["items"], f", from {row['source']}" if row.get("source") else "",
+                     "not measured (a sample log)" if result.get("evidence") else "MISSING")
+            continue
         log.info("evaluate %s %-12s %s %.3f (%d items)  KL mean %.5f  same top-1 %.1f%%", name, domain,
                  row["metric"], row["score"], row["items"], fid["kl"]["mean"], 100 * fid["same_top1"])
 

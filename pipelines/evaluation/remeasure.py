@@ -214,6 +214,7 @@ def audit(params, names: list[str], seed: int, device: str) -> dict:
     records, then each model's sample re-measured. Returns what `results/audit.json` keeps."""
     from pipelines.evaluation import fidelity
     from pipelines.evaluation.plans import row_of
+    from pipelines.models.loading import log_only
 
     p, tol = params.evaluate, params.audit
     base = fidelity.load_base(FIDELITY_BASE)
@@ -229,6 +230,10 @@ def audit(params, names: list[str], seed: int, device: str) -> dict:
             continue
         if result.get("status") != "ok":  # no evidence for it to be trusted on: the gate judges it failed already
             skipped[name] = f"evaluation {result.get('status')}: nothing recorded to audit"
+            continue
+        if log_only(VARIANTS_DIR / name):  # said, never silently left out: the gate prints it with the audit
+            skipped[name] = ("not re-measured: its evidence is an lm-eval sample log (no model here to re-run); its "
+                             "records are the log's, which DVC hashes as the admit stage's input")
             continue
         problems += summary_problems(name, result, items, texts, base)
         loaded[name] = (result, items, texts)

@@ -25,6 +25,7 @@ from pipelines.evaluation import standard_tasks
 from pipelines.evaluation.plans import by_id, correctness, plan_summary
 from pipelines.judging import sequential, stats
 from pipelines.judging.verdict import pairing_problems, rederive, task_verdicts, usable, worst
+from pipelines.models.loading import LOG_SOURCE, NOT_MEASURED
 
 
 def load_inputs(names: list[str], results: Path, variants_dir: Path) -> dict[str, dict]:
@@ -93,7 +94,7 @@ def _memory_summary(row: dict | None, base: dict | None) -> dict | None:
 
 def compare_domain(base_rows: dict[str, dict], var_rows: dict[str, dict], probe: dict, fid: dict | None,
                    mem: dict | None, plan: dict, policy: PolicyParams, p: CompareParams,
-                   task_rows: dict[str, dict] | None = None) -> dict:
+                   task_rows: dict[str, dict] | None = None, not_here: dict[str, dict] | None = None) -> dict:
     """One variant and row: run the looks, check the records follow the look plan, then judge.
 
     `task_rows`: the domain's standard-task rows, already judged; `judge` weighs their verdicts (kept in the
@@ -121,13 +122,16 @@ def compare_domain(base_rows: dict[str, dict], var_rows: dict[str, dict], probe:
         problems.append(f"lm-eval score {probe['score']} disagrees with the per-item accuracy {paired['accuracy']}")
     tasks = {key: {"verdict": row.get("verdict"), "reasons": list(row.get("reasons") or [])}
              for key, row in (task_rows or {}).items()}
-    identical = bool(needed) and all(base_rows[i].get("response") == var_rows[i].get("response")
-                                     for i in needed if i in base_rows and i in var_rows) \
-        and bool(fid) and fid.get("kl", {}).get("max") == 0
+    same_answers = bool(needed) and all(base_rows[i].get("response") == var_rows[i].get("response")
+                                        for i in needed if i in base_rows and i in var_rows)
+    if fid or not not_here:
+        identical = same_answers and bool(fid) and fid.get("kl", {}).get("max") == 0
+    else:  # a sample log has no distributions: multiple-choice log-likelihoods equal to the last digit are fp16's run
+        identical = same_answers and any((base_rows.get(i) or {}).get("chance") or 0 for i in needed)
     if paired is None:
         verdict, why, checks = "fail", (problems or [run["reason"]]) + task_verdicts(tasks)[0], {}
     else:
-        verdict, why, checks = rederive(paired, fid, mem, policy, identical, problems, tasks)
+        verdict, why, checks = rederive(paired, fid, mem, policy, identical, problems, tasks, not_here)
     row = {"verdict": verdict, "reasons": why, "paired": paired, "record_problems": problems,
            "identical_to_fp16": identical,
            "looks": {k: run.get(k) for k in ("look", "looks", "alpha", "alpha_total", "spending", "history")},
@@ -135,6 +139,8 @@ def compare_domain(base_rows: dict[str, dict], var_rows: dict[str, dict], probe:
            "task_version": probe.get("task_version"), "metric": probe.get("metric")}
     if tasks:
         row["tasks"] = tasks
+    if not_here:
+        row["not_checked_here"] = not_here
     if verdict == "inconclusive" and paired and checks["signal"]["decision"] == "no":
         row["items_to_decide"] = None
     elif verdict == "inconclusive" and paired and checks["accuracy_drop"]["decision"] == sequential.UNDECIDED:
@@ -174,18 +180,34 @@ def _more_items_advice(need: float | None, paired: dict, power: float, pool: int
             f"if the flips cluster (design effect {paired['design_effect']:.1f})")
 
 
+def not_checked_here(inputs: dict, memory_row: dict | None, judged_elsewhere: list[str]) -> dict[str, dict]:
+    """What a candidate judged from its lm-eval sample log cannot have measured here (token distributions; memory,
+    when the memory stage says so), each with whether the team declared it judged elsewhere. Only a log candidate's
+    manifest earns this: a checkpoint's missing KL or memory stays a failure."""
+    if (inputs.get("manifest") or {}).get("source") != LOG_SOURCE:
+        return {}
+    out = {"fidelity": "an lm-eval sample log holds no token distributions to compare with fp16's"}
+    if (memory_row or {}).get("status") == NOT_MEASURED:
+        out["memory"] = memory_row.get("reason") or "no model here"
+    return {check: {"reason": reason, "judged_elsewhere": check in judged_elsewhere} for check, reason in out.items()}
+
+
 def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | None, memory: dict,
-                plans: dict[str, dict], p: CompareParams) -> dict:
-    """One variant's rows: per domain the looks, the paired statistics, the checks and the verdict."""
+                plans: dict[str, dict], p: CompareParams, judged_elsewhere: list[str] | None = None) -> dict:
+    """One variant's rows: per domain the looks, the paired statistics, the checks and the verdict.
+    `judged_elsewhere`: a log candidate's declaration (candidates.<name>.judged_elsewhere)."""
     failure, unmeasured = _upstream_failure(inputs)
     mem_rows = memory.get("variants", {})
     mem = _memory_summary(mem_rows.get(name), mem_rows.get(BASELINE))
+    not_here = not_checked_here(inputs, mem_rows.get(name), judged_elsewhere or [])
     row = {"kind": inputs.get("kind", "variant"), "memory": mem, "domains": {}}
+    if not_here:  # where its evidence came from (the backend and arguments lm-eval recorded), for the report
+        row["evidence"] = (inputs.get("manifest") or {}).get("evidence")
     judged: dict[str, dict] = {}
     # the memory stage measured this checkpoint and it failed there (OOM, a crash): the variant's own evidence,
     # which an evaluation this machine could not run does not excuse
     checkpoint_made = (inputs.get("manifest") or {}).get("status") == "ok"
-    memory_failed = checkpoint_made and mem is None
+    memory_failed = checkpoint_made and mem is None and "memory" not in not_here
     # task rows first: the domain's row needs their verdicts
     for domain, plan in sorted(plans.items(), key=lambda kv: not standard_tasks.is_task_row(kv[0])):
         policy = p.policy_for(plan.get("domain", domain))
@@ -197,7 +219,7 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
             reasons.append(f"baseline fp16 unusable: {base_failure}")
         if failure:
             reasons.append(failure)
-        if mem is None:
+        if mem is None and "memory" not in not_here:
             memory_error = (mem_rows.get(name) or {}).get("error")
             reasons.append(f"memory stage failed: {memory_error}" if memory_error else "no memory results")
         probe = (inputs["eval"] or {}).get("probes", {}).get(domain) if not failure else None
@@ -216,7 +238,7 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
         fid = (inputs["eval"].get("fidelity") or {}).get(plan.get("domain", domain))
         tasks = {k: judged[k] for k, other in plans.items() if other.get("domain") == domain and k in judged}
         judged[domain] = compare_domain(by_id(base_inputs["items"], domain), by_id(inputs["items"], domain),
-                                        probe, fid, mem, plan, policy, p, tasks)
+                                        probe, fid, mem, plan, policy, p, tasks, not_here)
     row["domains"] = {key: judged[key] for key in plans}
     verdicts = [d["verdict"] for d in row["domains"].values()]
     row["verdict"] = next((v for v in ("fail", "inconclusive") if v in verdicts), "pass") if verdicts else "fail"
@@ -231,8 +253,9 @@ def _unmeasured_row(unmeasured: dict, policy: PolicyParams) -> dict:
 
 
 def compare_all(variants: list[str], candidates: list[str], plans: dict[str, dict], p: CompareParams,
-                results: Path, variants_dir: Path) -> dict:
-    """compare.json: the baseline's own numbers, then every variant and candidate against it."""
+                results: Path, variants_dir: Path, judged_elsewhere: dict[str, list[str]] | None = None) -> dict:
+    """compare.json: the baseline's own numbers, then every variant and candidate against it.
+    `judged_elsewhere`: per log candidate, what its team measured elsewhere (params.yaml)."""
     names = [BASELINE, *[n for n in variants if n != BASELINE], *candidates]
     inputs = load_inputs(names, results, variants_dir)
     for name in candidates:
@@ -257,7 +280,8 @@ def compare_all(variants: list[str], candidates: list[str], plans: dict[str, dic
            "settings": {"confidence": p.confidence, "alpha": p.alpha, "spending": p.spending, "power": p.power},
            "variants": {}}
     for name in names[1:]:
-        out["variants"][name] = compare_one(name, inputs[name], inputs[BASELINE], base_failure, memory, plans, p)
+        out["variants"][name] = compare_one(name, inputs[name], inputs[BASELINE], base_failure, memory, plans, p,
+                                            (judged_elsewhere or {}).get(name))
     return out
 
 

@@ -55,17 +55,38 @@ def pairing_problems(base: dict[str, dict], variant: dict[str, dict], ids: list[
     return problems
 
 
+NOT_HERE = {"fidelity": ("KL", ("KL {p}", "fidelity tokens")), "memory": ("memory growth", ("memory growth excess",))}
+
+
+def not_here_lines(not_here: dict | None, judged_elsewhere: bool) -> list[str]:
+    """What a row's evidence could not measure here (a candidate judged from its lm-eval sample log), as the report
+    and the gate's reasons say it: declared judged elsewhere, or open."""
+    lines = []
+    for check, row in sorted((not_here or {}).items()):
+        if bool(row.get("judged_elsewhere")) != judged_elsewhere:
+            continue
+        what = NOT_HERE.get(check, (check,))[0]
+        lines.append(f"{what} not measured here ({row.get('reason')}): judged elsewhere, as the candidate's "
+                     f"judged_elsewhere declares" if judged_elsewhere else
+                     f"{what} not measured here ({row.get('reason')}): inconclusive until it is, or until the "
+                     f"candidate's judged_elsewhere in params.yaml lists {check!r} (measured by the team elsewhere)")
+    return lines
+
+
 def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, policy: PolicyParams,
-          identical: bool, tasks: dict[str, dict] | None = None) -> tuple[str, list[str], dict]:
+          identical: bool, tasks: dict[str, dict] | None = None,
+          not_here: dict[str, dict] | None = None) -> tuple[str, list[str], dict]:
     """Verdict, reasons and the value/limit of each check, for one variant and domain.
 
     The accuracy part is sequential.accuracy_rule on the decisive look's numbers; every other limit is
     a hard limit (flips, KL, memory growth beyond fp16's, a leak, an out-of-memory error). `tasks`: the
     domain's standard-task rows ({row: {"verdict", "reasons"}}, as compare.json keeps them in the domain's
     row): one that fails (or has no known verdict) fails the domain, one that is inconclusive makes an
-    otherwise passing domain inconclusive.
+    otherwise passing domain inconclusive. `not_here`: checks the evidence cannot give here ({"fidelity"|"memory":
+    {"reason", "judged_elsewhere"}}, a candidate judged from its sample log): not required, never a pass on their own
+    account: the row is inconclusive unless each is declared judged elsewhere, and the reasons say which.
     """
-    fails, checks = [], {}
+    fails, checks, not_here = [], {}, not_here or {}
     task_fails, task_open = task_verdicts(tasks)
     paired = paired or {}
     margin = policy.max_accuracy_drop
@@ -77,6 +98,9 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
                 "fp16 accuracy low end": paired.get("accuracy_fp16_low"), "chance level": paired.get("chance"),
                 "item count": paired.get("items"), "flip rate": paired.get("flip_rate"),
                 f"KL {policy.kl_percentile}": kl, "fidelity tokens": tokens, "memory growth excess": growth}
+    for check in not_here:
+        for name in NOT_HERE[check][1]:
+            required.pop(name.format(p=policy.kl_percentile))
     memory, out_of_memory = memory or {}, []
     if memory.get("oom"):  # named even when the soak stopped too early to give a growth rate
         out_of_memory.append(f"out of memory: {memory['oom']}")
@@ -88,10 +112,12 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
     fails += _inconsistent(paired)
     if fails:
         return "fail", fails + task_fails, checks
-    if tokens < MIN_FIDELITY_TOKENS:
+    if "fidelity" not in not_here and tokens < MIN_FIDELITY_TOKENS:
         fails.append(f"KL over {tokens} tokens only (at least {MIN_FIDELITY_TOKENS})")
     if identical:
-        fails.append("every response and every token distribution equals fp16's: the variant was not really evaluated")
+        fails.append("every response and every token distribution equals fp16's: the variant was not really evaluated"
+                     if "fidelity" not in not_here else "every response equals fp16's, multiple-choice log-likelihoods "
+                     "to the last digit: the log is fp16's own run (or lm-eval's cache answered), not the candidate's")
     if paired.get("accuracy_fp16") == 0 and paired.get("accuracy") == 0:
         fails.append(f"fp16 and the variant answer none of the {paired['items']} items correctly: the probes measure "
                      "nothing here (check the task's answer extraction, or the model is not up to the domain)")
@@ -108,19 +134,27 @@ def judge(paired: dict | None, fidelity: dict | None, memory: dict | None, polic
     if paired["flip_rate"] > policy.max_flip_rate:
         fails.append(f"flip rate {paired['flip_rate']:.3f} > {policy.max_flip_rate:.3f}")
     checks["kl"] = {"value": kl, "limit": policy.max_kl, "percentile": policy.kl_percentile}
-    if kl > policy.max_kl:
+    if "fidelity" in not_here:
+        checks["kl"].update(not_here["fidelity"])
+    elif kl > policy.max_kl:
         fails.append(f"KL {policy.kl_percentile} {kl:.4f} > {policy.max_kl}")
     checks["growth_excess_pct"] = {"value": growth, "limit": policy.max_growth_excess_pct}
-    if growth > policy.max_growth_excess_pct:
+    if "memory" in not_here:
+        checks["growth_excess_pct"].update(not_here["memory"])
+    elif growth > policy.max_growth_excess_pct:
         fails.append(f"memory grows {growth:.2f} % of fp16's footprint more than fp16 (limit {policy.max_growth_excess_pct} %)")
     if memory.get("leak"):
         fails.append("memory keeps growing under repeated traffic (leak)")
     fails += out_of_memory + task_fails
     if fails:
         return "fail", fails, checks
-    if accuracy == sequential.UNDECIDED or task_open:
-        return "inconclusive", ([why] if accuracy == sequential.UNDECIDED else []) + task_open, checks
-    return "pass", [f"{why}; every limit met" + (f"; task rows {', '.join(tasks)} pass" if tasks else "")], checks
+    unmeasured = not_here_lines(not_here, judged_elsewhere=False)
+    if accuracy == sequential.UNDECIDED or task_open or unmeasured:
+        return "inconclusive", ([why] if accuracy == sequential.UNDECIDED else []) + task_open + unmeasured \
+            + not_here_lines(not_here, judged_elsewhere=True), checks
+    return "pass", [f"{why}; every limit {'measured here ' if not_here else ''}met"
+                    + (f"; task rows {', '.join(tasks)} pass" if tasks else "")] \
+        + not_here_lines(not_here, judged_elsewhere=True), checks
 
 
 def no_signal(paired: dict, margin: float) -> str | None:
@@ -166,11 +200,12 @@ def _inconsistent(paired: dict) -> list[str]:
 
 
 def rederive(paired: dict | None, fidelity: dict | None, memory: dict | None, policy: PolicyParams, identical: bool,
-             problems: list[str], tasks: dict[str, dict] | None = None) -> tuple[str, list[str], dict]:
+             problems: list[str], tasks: dict[str, dict] | None = None,
+             not_here: dict[str, dict] | None = None) -> tuple[str, list[str], dict]:
     """The verdict of one compare.json row from its own numbers (and, for a domain's row, its task rows'
     verdicts it keeps under `tasks`): records that do not follow the plan fail, everything else is `judge`'s.
     compare writes it, gate re-derives it, and the two must agree."""
-    verdict, why, checks = judge(paired, fidelity, memory, policy, identical, tasks)
+    verdict, why, checks = judge(paired, fidelity, memory, policy, identical, tasks, not_here)
     if problems:
         return "fail", problems + why, checks
     return verdict, why, checks
@@ -182,13 +217,19 @@ KEY_NUMBERS = ("items", "difference", "ci_low", "ci_high", "correct_to_wrong", "
 
 
 def _required(row: dict, policy: dict) -> dict:
-    """The numbers the policy needs, as compare.json holds them."""
+    """The numbers the policy needs, as compare.json holds them (less what the row's evidence cannot give here)."""
     paired = row.get("paired") or {}
     kl = ((row.get("fidelity") or {}).get("kl") or {}).get(policy["kl_percentile"])
     growth = ((row.get("checks") or {}).get("growth_excess_pct") or {}).get("value")
-    return {"accuracy": paired.get("accuracy"), "accuracy_fp16": paired.get("accuracy_fp16"),
-            "difference": paired.get("difference"), "ci_low": paired.get("ci_low"), "flip_rate": paired.get("flip_rate"),
-            f"kl_{policy['kl_percentile']}": kl, "growth_excess_pct": growth}
+    out = {"accuracy": paired.get("accuracy"), "accuracy_fp16": paired.get("accuracy_fp16"),
+           "difference": paired.get("difference"), "ci_low": paired.get("ci_low"), "flip_rate": paired.get("flip_rate"),
+           f"kl_{policy['kl_percentile']}": kl, "growth_excess_pct": growth}
+    not_here = row.get("not_checked_here") or {}
+    if "fidelity" in not_here:
+        out.pop(f"kl_{policy['kl_percentile']}")
+    if "memory" in not_here:
+        out.pop("growth_excess_pct")
+    return out
 
 
 def inconsistencies(name: str, domain: str, row: dict, fresh: dict | None, memory: dict | None,
@@ -203,7 +244,7 @@ def inconsistencies(name: str, domain: str, row: dict, fresh: dict | None, memor
     if row.get("paired") or row.get("record_problems"):
         again, _, _ = rederive(row.get("paired"), row.get("fidelity"), memory, policy,
                                bool(row.get("identical_to_fp16")), list(row.get("record_problems") or []),
-                               row.get("tasks"))
+                               row.get("tasks"), row.get("not_checked_here"))
         if again != row.get("verdict"):
             out.append(f"{where}: compare.json says {row.get('verdict')!r} but its own numbers give {again!r}")
     if fresh is None:
@@ -242,7 +283,7 @@ def check_row(name: str, domain: str, row: dict | None, params: Params) -> tuple
         return "undecided", [f"{name} {domain}: inconclusive: {'; '.join(row.get('reasons') or [])}"]
     if row.get("verdict") != "pass":
         return "fail", [f"{name} {domain}: unknown verdict {row.get('verdict')!r}"]
-    return "pass", []
+    return "pass", [f"{name} {domain}: {line}" for line in not_here_lines(row.get("not_checked_here"), True)]
 
 
 def shadow_failures(name: str, shadow: dict | None, table: dict | None) -> list[str]:
@@ -253,6 +294,8 @@ def shadow_failures(name: str, shadow: dict | None, table: dict | None) -> list[
     if shadow is None:  # no shadow stage in this pipeline (a deleted shadow.json is a DVC change: undecided before)
         return []
     model = (shadow.get("models") or {}).get(name)
+    if model is not None and model.get("status") == "not_measured":  # a sample log: no model to replay (gate says so)
+        return []
     if model is not None and model.get("status") != "ok":
         return [f"{name}: shadow replay failed: {model.get('error') or 'no error recorded'}"]
     rows = [c for r in (table or {}).get("rows") or [] for c in r.get("considered") or []

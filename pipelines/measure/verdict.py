@@ -111,6 +111,9 @@ def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = BASELIN
     base_growth = projected_growth(base, p, baseline=True) if base_ok else None
     rows = {}
     for name, r in results.items():
+        if r.get("status") == "not_measured":  # a candidate evaluated elsewhere (its sample log): no model here
+            rows[name] = {"status": "not_measured", "reason": r.get("reason") or "not measured"}
+            continue
         if r.get("status") != "ok":
             rows[name] = {"status": "failed", "error": r.get("error", "no result")}
             continue

@@ -102,6 +102,19 @@ def resolve_device(setting: str) -> str:
     return setting
 
 
+LOG_SOURCE = "samples"  # a candidate whose evidence is an lm-eval sample log (pipelines/evaluation/sample_logs.py)
+NOT_MEASURED = "not_measured"  # the status a stage records for what it cannot measure of such a candidate
+
+
+def log_only(variant_dir: str | Path) -> bool:
+    """Whether the variant's folder holds an lm-eval sample log rather than a model: nothing here to load, measure or
+    replay (its manifest's `source`)."""
+    from pipelines.core.io import read_json
+
+    path = Path(variant_dir) / MANIFEST
+    return path.is_file() and read_json(path).get("source") == LOG_SOURCE
+
+
 def variant_manifest(variant_dir: str | Path) -> dict:
     """The variant's quantgate.json; a missing one means the variant was never built."""
     from pipelines.core.io import read_json

@@ -86,6 +86,8 @@ def child_params(manifest: dict | None, settings: dict | None) -> dict[str, str]
     params["calibration_sha256"] = str((manifest.get("calibration") or {}).get("sha256"))
     params["device"] = str(manifest.get("device"))
     params["status"] = str(manifest.get("status"))
+    # a candidate judged from its lm-eval sample log: the backend and model arguments lm-eval recorded
+    params.update({f"evidence.{k}": str(v)[:500] for k, v in (manifest.get("evidence") or {}).items()})
     return params
 
 
@@ -358,6 +360,7 @@ def shadow_description(shadow: dict) -> str:
         if key == "all" and usable(exact.get("share")):
             lines.append(f"| {model} | {domain} | {cell.get('requests')} | {exact['share']:.3f} "
                          f"[{exact.get('low', float('nan')):.3f}, {exact.get('high', float('nan')):.3f}] |")
-    failed = [f"- {m}: replay failed ({(e or {}).get('error')})" for m, e in (shadow.get("models") or {}).items()
+    failed = [f"- {m}: {(e or {}).get('reason')}" if (e or {}).get("status") == "not_measured" else
+              f"- {m}: replay failed ({(e or {}).get('error')})" for m, e in (shadow.get("models") or {}).items()
               if (e or {}).get("status") != "ok"]
     return "\n".join(lines + ([""] + failed if failed else []))[:4000]
