@@ -1,5 +1,6 @@
-"""Stage `admit@<candidate>`: a third-party quantized checkpoint, or the lm-eval sample log of a model evaluated
-elsewhere (pipelines/evaluation/sample_logs.py), enters only after validation.
+"""Stage `admit@<candidate>`: a third-party quantized checkpoint, the lm-eval sample log of a model evaluated
+elsewhere (pipelines/evaluation/sample_logs.py), or a model behind an OpenAI-compatible endpoint
+(pipelines/evaluation/endpoints.py) enters only after validation.
 
 The checks live in pipelines/checkpoints/ (one file per concern); a rejection is recorded as that
 candidate's failure in its manifest, and the stage still succeeds so the other variants go on.
@@ -13,8 +14,8 @@ from pipelines.checkpoints.admission import admit
 from pipelines.checkpoints.manifest import record_failure
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params import load_params
-from pipelines.core.paths import VARIANTS_DIR
-from pipelines.evaluation import sample_logs
+from pipelines.core.paths import REFERENCE_DIR, VARIANTS_DIR
+from pipelines.evaluation import endpoints, sample_logs
 from pipelines.models.loading import resolve_model
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,15 @@ def main(candidate: str, failed_because: str | None = None) -> int:
     if failed_because:  # `quantgate fanout` records a run that died outside the stage (docs/fanout.md)
         record_failure(candidate, path, source.location, failed_because)
         log.warning("admit %s: recorded as FAILED (%s)", candidate, failed_because)
+        return 0
+    if params.candidates[candidate].source == endpoints.SOURCE:  # served elsewhere: checked, then evaluated there
+        manifest = endpoints.admit(candidate, path, params.candidates[candidate].endpoint.model_dump(), VARIANTS_DIR,
+                                   REFERENCE_DIR)
+        if manifest["status"] == "ok":
+            log.info("admit %s: endpoint %s serves %s (prompt logprobs: %s)", candidate, manifest["endpoint"]["base_url"],
+                     manifest["endpoint"]["model"], "yes" if manifest["evidence"]["logprobs"] else "no")
+        else:
+            log.warning("admit %s: REJECTED: %s", candidate, manifest["reasons"][0])
         return 0
     if params.candidates[candidate].source == sample_logs.SOURCE:  # evaluated elsewhere: its lm-eval sample log
         manifest = sample_logs.admit(candidate, path, VARIANTS_DIR)

@@ -14,11 +14,12 @@ from pipelines.core import logs
 from pipelines.core.io import atomic_write_text, read_json, read_jsonl, write_json, write_jsonl
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params import load_params
-from pipelines.core.paths import BASELINE, BASELINE_RESULTS, EVAL_RESULTS, FIDELITY_BASE, FIDELITY_TEXTS, VARIANTS_DIR
+from pipelines.core.paths import (BASELINE, BASELINE_RESULTS, EVAL_DIR, EVAL_RESULTS, FIDELITY_BASE, FIDELITY_TEXTS,
+                                  REFERENCE_DIR, VARIANTS_DIR)
 from pipelines.evaluation.console import EVALUATE_VARIANT, log_probes, pop_texts
 from pipelines.evaluation.plans import by_id, correctness, probe_plans
-from pipelines.evaluation import sample_logs
-from pipelines.models.loading import log_only, resolve_device
+from pipelines.evaluation import endpoints, sample_logs
+from pipelines.models.loading import endpoint_of, log_only, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +44,14 @@ def main(variant: str, failed_because: str | None = None) -> int:
         return 0
     plans = probe_plans(p.domains, p)
     base_rows = read_jsonl(BASELINE_RESULTS / "items.jsonl")
-    if log_only(VARIANTS_DIR / variant):  # evaluated elsewhere: its lm-eval log
-        result, items = sample_logs.evaluate(variant, VARIANTS_DIR / variant, plans, base_rows,
-                                             read_json(BASELINE_RESULTS / "eval.json"), params.compare,
-                                             p.allow_unisolated_code)
+    if log_only(VARIANTS_DIR / variant) or endpoint_of(VARIANTS_DIR / variant):  # evaluated elsewhere: an lm-eval log
+        args = (variant, VARIANTS_DIR / variant, plans, base_rows, read_json(BASELINE_RESULTS / "eval.json"),
+                params.compare, p.allow_unisolated_code)
+        with logs.progress(total=1, desc=f"evaluate {variant}", bar_format="{desc}: {elapsed}") as bar:
+            result, items = (endpoints.evaluate(*args, EVAL_RESULTS / variant / sample_logs.LOG_DIR,
+                                                REFERENCE_DIR, EVAL_DIR, p.timeout_seconds)
+                             if endpoint_of(VARIANTS_DIR / variant) else sample_logs.evaluate(*args))
+            bar.update()
         write_jsonl(EVAL_RESULTS / variant / "items.jsonl", items)
         write_jsonl(EVAL_RESULTS / variant / FIDELITY_TEXTS, [])
         write_json(EVAL_RESULTS / f"{variant}.json", result)

@@ -203,11 +203,15 @@ def render_report(result: dict, report: dict | None, table: dict | None, policy_
                              + ("not measured here |" if "memory" in not_here else f"{_fmt(growth, '+.2f')} % |"))
         lines.append("")
     elsewhere = {n: (report or {}).get("variants", {}).get(n, {}).get("evidence") for n in result["gated"]}
-    if any(elsewhere.values()):  # candidates judged from lm-eval sample logs (pipelines/evaluation/sample_logs.py)
-        lines += ["### Evidence from sample logs", ""] + [
-            f"- {n}: lm-eval sample log, backend `{e.get('backend')}`, model_args `{e.get('model_args')}`, lm-eval "
-            f"{e.get('lm_eval_version')}: paired with fp16 here; KL, memory, the shadow replay and the audit's re-run "
-            "need a model here and were not measured (the reasons say what that leaves)" for n, e in elsewhere.items() if e]
+    if any(elsewhere.values()):  # candidates evaluated elsewhere (pipelines/evaluation/sample_logs.py, endpoints.py)
+        lines += ["### Evidence from sample logs and endpoints", ""] + [
+            (f"- {n}: served at {e.get('base_url')} as `{e.get('model')}`, evaluated here by lm-eval's "
+             f"`{e.get('backend')}` (prompt logprobs: {'yes' if e.get('logprobs') else 'no'}) and replayed through it; "
+             "KL, memory and the audit's re-run need the weights here and were not measured" if e.get("base_url") else
+             f"- {n}: lm-eval sample log, backend `{e.get('backend')}`, model_args `{e.get('model_args')}`, lm-eval "
+             f"{e.get('lm_eval_version')}: paired with fp16 here; KL, memory, the shadow replay and the audit's re-run "
+             "need a model here and were not measured") + " (the reasons say what that leaves)"
+            for n, e in elsewhere.items() if e]
         lines.append("")
     if result["reasons"]:
         lines += ["### Why", ""] + [f"- {r}" for r in result["reasons"]] + [""]

@@ -208,7 +208,7 @@ def main(variant: str, failed_because: str | None = None, inject_leak_bytes: int
     from pipelines.core.io import write_json
     from pipelines.core.params import load_params
     from pipelines.core.paths import MEMORY_RESULTS, MEMORY_TRACES, VARIANTS_DIR
-    from pipelines.models.loading import NOT_MEASURED, log_only, resolve_device
+    from pipelines.models.loading import NOT_MEASURED, endpoint_of, no_model_here, resolve_device
 
     params = load_params()
     params.model_under_test(variant)
@@ -222,12 +222,18 @@ def main(variant: str, failed_because: str | None = None, inject_leak_bytes: int
         write_trace_index(traces, {})
         log.warning("memory %s: recorded as FAILED (%s)", variant, failed_because)
         return 0
-    if log_only(VARIANTS_DIR / variant):  # an lm-eval sample log (pipelines/evaluation/sample_logs.py): no model here
-        write_json(MEMORY_RESULTS / f"{variant}.json", {"variant": variant, "device": None, "status": NOT_MEASURED,
-                                                        "reason": "its evidence is an lm-eval sample log: no model "
-                                                                  "here to load"})
+    if no_model_here(VARIANTS_DIR / variant):  # a sample log or an endpoint (pipelines/evaluation/): no weights here
+        endpoint = endpoint_of(VARIANTS_DIR / variant)
+        why = (f"served at {endpoint['base_url']} by another engine: its footprint and growth are not measured here "
+               "against fp16's" if endpoint else "its evidence is an lm-eval sample log: no model here to load")
+        row = {"variant": variant, "device": None, "status": NOT_MEASURED, "reason": why}
+        if endpoint:  # what can be seen from outside, labelled so: never the numbers the verdict compares
+            from pipelines.evaluation.endpoints import observe
+
+            row["observed_from_outside"] = observe(endpoint)
+        write_json(MEMORY_RESULTS / f"{variant}.json", row)
         write_trace_index(traces, {})
-        log.info("memory %s: not measured (an lm-eval sample log: no model here)", variant)
+        log.info("memory %s: not measured (%s)", variant, why)
         return 0
     p = params.memory
     with logs.progress(total=1 + len(p.compare_allocators) * (device == "cuda"), desc=f"memory {variant} ({device})",

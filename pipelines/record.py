@@ -31,7 +31,7 @@ from pipelines.core.paths import (BASELINE, BUILT_DIR, COMPARE_REPORT, COMPARE_T
                                   ROUTER_CONFIG, ROUTING_TABLE, SHADOW_METRICS, SHADOW_REPORT, VARIANTS_DIR)
 from pipelines.judging.comparison import flat_rows
 from pipelines.judging.verdict import shadow_failures
-from pipelines.models.loading import LOG_SOURCE
+from pipelines.models.loading import ELSEWHERE
 from pipelines.store.client import experiment_id, recording_lock, served, using_store
 from pipelines.store.layout import (FORMAT_TAG, KIND_TAG, RECORD_FORMAT, RUN_TYPE_EVALUATION, RUN_TYPE_TAG,
                                     SHADOW_RUN_NAME, checkpoint_sha256, child_description, child_metrics, child_params,
@@ -223,8 +223,9 @@ def _record_child(name: str, report: dict, params: Params, root: Path, digest: s
         if (manifest or {}).get("calibration"):
             _dataset_inputs([("calibration-mixed", root / BUILT_DIR / "mixed.jsonl")], "calibration")
         checkpoint = None
-        if name != BASELINE and row["verdict"] == "pass" and (manifest or {}).get("source") == LOG_SOURCE:
-            checkpoint = {"refused": "its evidence is an lm-eval sample log: no checkpoint here to register"}
+        if name != BASELINE and row["verdict"] == "pass" and (manifest or {}).get("source") in ELSEWHERE:
+            checkpoint = {"refused": "it was evaluated elsewhere (an lm-eval sample log or an endpoint): no checkpoint "
+                                     "here to register"}
             mlflow.set_tag("registry", f"not registered: {checkpoint['refused']}")
         elif name != BASELINE and row["verdict"] == "pass":
             try:

@@ -24,7 +24,7 @@ from pipelines.core.paths import (BASELINE, COMPARE_REPORT, PLOTS_DIR, SHADOW_DI
                                   VARIANTS_DIR)
 from pipelines.replay import agreement, plots, traffic
 from pipelines.replay.engine import replay
-from pipelines.models.loading import NOT_MEASURED, log_only
+from pipelines.models.loading import NOT_MEASURED, endpoint_of, log_only
 from pipelines.text.classify import Classifier
 from pipelines.text.pii import mask
 
@@ -73,7 +73,7 @@ def run(params: Params, report: dict, variants_dir: Path, device: str, out_repor
     waits = [arrive[g[-1]] for g in groups] if arrive else None
     ids = [[requests[i].ids for i in g] for g in groups]
     models = [BASELINE, *[n for n in passing(report) if n != BASELINE]]
-    elsewhere = [n for n in models if log_only(variants_dir / n)]  # an lm-eval sample log: no model here to replay
+    elsewhere = [n for n in models if log_only(variants_dir / n)]  # an lm-eval sample log: nothing to replay through
     models = [n for n in models if n not in elsewhere]
     log.info("shadow: %d requests from %s, %d replayed (%d too long) in %d batches through %s", len(requests), path,
              len(kept), len(requests) - len(kept), len(groups), ", ".join(models))
@@ -85,8 +85,18 @@ def run(params: Params, report: dict, variants_dir: Path, device: str, out_repor
             runs[name] = {"error": "not replayed: the fp16 replay it is compared with failed"}
             continue
         started = time.perf_counter()
-        result, error = run_isolated(replay, (str(variants_dir / name), ids, p.max_new_tokens, device, p.threads,
-                                              waits), p.timeout_s, f"the shadow replay of {name}", logs.current_log_file)
+        endpoint = endpoint_of(variants_dir / name)
+        if endpoint:  # served elsewhere (pipelines/evaluation/endpoints.py): the same requests, as text, over HTTP
+            result, error = run_isolated("pipelines.evaluation.endpoints:replay",
+                                         (endpoint, [requests[i].text for i in kept], p.max_new_tokens), p.timeout_s,
+                                         f"the shadow replay of {name} at {endpoint['base_url']}", logs.current_log_file)
+            result = result and {"answers": [tokenizer(t, add_special_tokens=False)["input_ids"]
+                                             for t in result["texts"]],
+                                 "client_ms": [1000 * s for s in result["latency_s"]], "endpoint": endpoint["base_url"]}
+        else:
+            result, error = run_isolated(replay, (str(variants_dir / name), ids, p.max_new_tokens, device, p.threads,
+                                                  waits), p.timeout_s, f"the shadow replay of {name}",
+                                         logs.current_log_file)
         runs[name] = {"error": error} if error else result
         runs[name]["wall"] = time.perf_counter() - started
         log.info("shadow %s: %s in %.1f s", name, "FAILED (" + error + ")" if error else "replayed",
@@ -130,6 +140,10 @@ def _metrics(runs: dict[str, dict], report: dict) -> dict:
         if r.get("error"):
             out["models"][name] = {"status": "failed", "error": r["error"], "seconds": r.get("wall")}
             continue
+        if r.get("endpoint"):  # seen from the client: the server's queue, network and generation together
+            out["models"][name] = {"latency": {"client_ms": {"p50": q(r["client_ms"], 50), "p99": q(r["client_ms"], 99)}},
+                                   "endpoint": r["endpoint"], "memory": None, "seconds": r["wall"]}
+            continue
         out["models"][name] = {
             "latency": {"ttft_ms": {"p50": q(r["ttft_ms"], 50), "p99": q(r["ttft_ms"], 99)},
                         "tpot_ms": {"p50": q(r["tpot_ms"], 50), "p99": q(r["tpot_ms"], 99)},
@@ -138,7 +152,7 @@ def _metrics(runs: dict[str, dict], report: dict) -> dict:
     base = runs.get(BASELINE, {})
     base_peak = (base.get("memory") or {}).get("peak_bytes")
     for name, r in runs.items():
-        if name == BASELINE or r.get("error") or not base_peak:
+        if name == BASELINE or r.get("error") or not base_peak or not r.get("memory"):
             continue
         replay_pct = 100 * (1 - r["memory"]["peak_bytes"] / base_peak)
         claimed = ((report.get("variants", {}).get(name) or {}).get("memory") or {}).get("footprint_saving_pct")

@@ -3,5 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --profile smollm2  # the real model's GGUF: tests/test_gguf.py loads it
+# the endpoint tests' real server (tests/llama_server.py): llama-cpp-python builds llama.cpp from source, without its
+# multimodal library (LLAVA_BUILD, unused here; about half the build); pip's wheel cache keeps it for the next install
+if ! .venv/bin/python -c "import llama_cpp.server" 2>/dev/null; then
+  echo "test: installing llama-cpp-python[server] (builds llama.cpp from source: a few minutes the first time)"
+  CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[server]"
+fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 .venv/bin/python -m pytest "$@"

@@ -215,6 +215,7 @@ def pipeline_run(tmp_path_factory):
     from pipelines.core.params import load_params
     from pipelines.evaluation.plans import probe_plans
     from tests.pipeline_e2e_helpers import add_sql_request_type, dvc, repo_copy
+    from tests.llama_server import serving, write_gguf
     from tests.sample_log_helpers import lm_eval_log
 
     repo = repo_copy(tmp_path_factory.mktemp("repo"))
@@ -239,16 +240,27 @@ def pipeline_run(tmp_path_factory):
     # and a candidate judged from its lm-eval sample log (pipelines/evaluation/sample_logs.py): the shipped model in
     # bfloat16 run through the real `lm_eval` command, as a team runs its model where it serves it; memory and KL
     # declared measured elsewhere (a log gives neither)
-    params["candidates"] = {"vendor-gptq": {"path": "third_party/vendor-gptq"},
-                            "vendor-log": {"path": "third_party/vendor-log", "source": "samples",
-                                           "judged_elsewhere": ["memory", "fidelity"]}}
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    with contextlib.chdir(repo):
-        evaluate = load_params().evaluate
-        plan = probe_plans(evaluate.domains, evaluate)
-    lm_eval_log(repo / "reference_model", repo / "third_party" / "vendor-log", plan, repo, evaluate.batch_size,
-                "bfloat16")
-    first = dvc(["repro"], repo)
-    assert first.returncode == 0, first.stdout + first.stderr
-    second = dvc(["repro"], repo)
-    return repo, first, second
+    # and one served by a real engine (pipelines/evaluation/endpoints.py): the shipped model as llama.cpp's Q8_0,
+    # behind llama-cpp-python's OpenAI-compatible server for the whole session; the GGUF is what `path` hashes
+    served = repo / "third_party" / "vendor-served"
+    served.mkdir()
+    gguf_file = write_gguf(repo / "reference_model", served / "model.Q8_0.gguf", "Q8_0")
+    with serving(gguf_file, "vendor-q8", tmp_path_factory.mktemp("llama-server") / "server.log") as base_url:
+        params["candidates"] = {"vendor-gptq": {"path": "third_party/vendor-gptq"},
+                                "vendor-log": {"path": "third_party/vendor-log", "source": "samples",
+                                               "judged_elsewhere": ["memory", "fidelity"]},
+                                "vendor-served": {"path": "third_party/vendor-served/model.Q8_0.gguf",
+                                                  "source": "endpoint", "judged_elsewhere": ["memory", "fidelity"],
+                                                  "endpoint": {"base_url": base_url, "model": "vendor-q8",
+                                                               # greedy: the server's default penalizes repeats
+                                                               "request_fields": {"repeat_penalty": 1.0}}}}
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        with contextlib.chdir(repo):
+            evaluate = load_params().evaluate
+            plan = probe_plans(evaluate.domains, evaluate)
+        lm_eval_log(repo / "reference_model", repo / "third_party" / "vendor-log", plan, repo, evaluate.batch_size,
+                    "bfloat16")
+        first = dvc(["repro"], repo)
+        assert first.returncode == 0, first.stdout + first.stderr
+        second = dvc(["repro"], repo)
+        yield repo, first, second

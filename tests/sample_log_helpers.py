@@ -14,10 +14,9 @@ def lm_eval_log(model_dir: Path, out: Path, plan: dict[str, dict], cwd: Path, ba
                 dtype: str = "float16") -> Path:
     """The log of `model_dir` (in `dtype`) over the items the look plan can ask (their positions in each probe pool,
     given to lm-eval as --samples), with the pipeline's batch size and seeds; code probes run in the sandbox."""
-    positions = {}
-    for domain, p in plan.items():
-        pool = [json.loads(line)["id"] for line in (cwd / "eval" / domain / "items.jsonl").read_text().splitlines()]
-        positions[p["probe"]["task"]] = sorted(pool.index(i) for i in p["order"][: p["looks"][-1]])
+    from pipelines.evaluation.sample_logs import lm_eval_samples
+
+    positions = lm_eval_samples(plan, cwd / "eval")
     cmd = [str(Path(sys.executable).with_name("lm_eval")), "run", "--model", "hf", "--model_args",
            f"pretrained={model_dir},dtype={dtype}", "--tasks", ",".join(positions), "--include_path", "eval",
            "--batch_size", str(batch_size), "--seed", "0", "--log_samples", "--output_path", str(out),

@@ -122,6 +122,38 @@ def test_a_candidate_judged_from_its_lm_eval_sample_log(pipeline_run):
     assert all(r["serve"] != "vendor-log" for r in table["rows"])
 
 
+def test_a_candidate_served_by_a_real_engine_behind_an_endpoint(pipeline_run):
+    """llama.cpp's Q8_0 of the shipped model behind llama-cpp-python's OpenAI-compatible server: admit checks the
+    server, evaluate runs lm-eval's local-completions against it and judges its log like a team's, the shadow replay
+    goes through it (latency seen from the client), memory says it was not measured here."""
+    repo, first, _ = pipeline_run
+    manifest = json.loads((repo / "models" / "variants" / "vendor-served" / "quantgate.json").read_text())
+    assert manifest["status"] == "ok", manifest.get("error")
+    # llama-cpp-python's echo leaves the generated token out and shifts the rest (docs/evaluate.md): admit says so
+    assert manifest["evidence"]["listed"] == ["vendor-q8"] and manifest["evidence"]["logprobs"] is False
+    assert "echo returned" in manifest["evidence"]["logprobs_problem"]
+    assert json.loads((repo / "results" / "memory" / "vendor-served.json").read_text())["status"] == "not_measured"
+    result = json.loads((repo / "results" / "eval" / "vendor-served.json").read_text())
+    assert result["status"] == "ok", result.get("error")
+    assert result["probes"]["chat"]["status"] == "refused" and "echo returned" in result["probes"]["chat"]["reason"]
+    assert any((repo / "results" / "eval" / "vendor-served" / "samples").glob("samples_quantgate_math_*.jsonl"))
+    row = json.loads((repo / "results" / "compare.json").read_text())["variants"]["vendor-served"]
+    assert row["evidence"]["backend"] == "local-completions"
+    for domain, d in row["domains"].items():
+        if domain == "chat":  # multiple choice through a server whose prompt logprobs are not the model's: refused
+            assert d["verdict"] == "fail", d
+            continue
+        if domain == "code" and not sandbox.isolation_available():
+            continue
+        assert d["paired"]["items"] == d["looks"]["looks"][d["looks"]["look"] - 1], (domain, d["reasons"])
+        assert set(d["not_checked_here"]) == {"fidelity", "memory"}
+    shadow = json.loads((repo / "results" / "shadow.json").read_text())["models"]
+    metrics = json.loads((repo / "results" / "shadow_metrics.json").read_text())["models"]
+    if any(d["verdict"] == "pass" for d in row["domains"].values()):  # replayed through the server, not skipped
+        assert shadow["vendor-served"]["status"] == "ok" and shadow["vendor-served"]["agreement"]
+        assert metrics["vendor-served"]["latency"]["client_ms"]["p50"] > 0
+
+
 def test_compare_and_route_stages(pipeline_run):
     from pipelines.core import lineage
 
@@ -131,7 +163,7 @@ def test_compare_and_route_stages(pipeline_run):
     assert report["plans"] == {**{d: {"pool": pools[d], "looks": [20, 30, 40]} for d in ("math", "code", "chat", "code_comment")},
                                "sql": {"pool": 40, "looks": [20, 30, 40]}}
     assert report["domains"] == ["math", "code", "chat", "code_comment", "sql"]  # declaration order
-    assert set(report["variants"]) == {"int8", "awq4", "gptq3", "vendor-gptq", "vendor-log"}
+    assert set(report["variants"]) == {"int8", "awq4", "gptq3", "vendor-gptq", "vendor-log", "vendor-served"}
     for name, v in report["variants"].items():
         assert v["verdict"] in ("pass", "inconclusive", "fail")
         for domain, d in v["domains"].items():
@@ -203,7 +235,8 @@ def test_record_stage_and_gate(pipeline_run):
     runs = client.search_runs([run["experiment_id"]])
     kids = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == run["parent_run_id"]]
     children = {r.data.tags["quantgate.variant"] for r in kids if r.data.tags.get("quantgate.kind") != "shadow"}
-    assert children == {"fp16", "int8", "awq4", "gptq3", "vendor-gptq", "vendor-log"} and len(runs) == 8  # + the shadow's
+    assert children == {"fp16", "int8", "awq4", "gptq3", "vendor-gptq", "vendor-log", "vendor-served"} \
+        and len(runs) == 9  # + the shadow's
     assert run["shadow_run_id"] in {r.info.run_id for r in kids}
     assert next(r for r in kids if r.data.tags.get("quantgate.variant") == "vendor-gptq").info.run_name.startswith(
         "vendor-gptq · fail: ")  # the runs table shows each child's verdicts in its name
@@ -222,7 +255,8 @@ def test_record_stage_and_gate(pipeline_run):
     # the candidate judged from its sample log: what it could not measure here is in the gate's reasons and the report
     said = [r for r in result["reasons"] if r.startswith("vendor-log")]
     assert any("KL not measured here" in r for r in said) and any("not replayed" in r for r in said), said
-    assert "### Evidence from sample logs" in (repo / "results" / "report.md").read_text()
+    assert "### Evidence from sample logs and endpoints" in (repo / "results" / "report.md").read_text()
+    assert "- vendor-served: served at http://127.0.0.1:" in (repo / "results" / "report.md").read_text()
     assert (repo / "results" / "report.md").read_text().startswith("## quantgate release gate: FAIL")
     assert run["results_digest"] == lineage.results_digest(repo / "dvc.lock")
     # the whole loop: what passed every domain and the shadow replay is registered (int8, nearly lossless, unless its
@@ -233,7 +267,7 @@ def test_record_stage_and_gate(pipeline_run):
     shadow = json.loads((repo / "results" / "shadow.json").read_text())
     table = json.loads((repo / "results" / "routing_table.json").read_text())
     releasable = {n for n, v in report["variants"].items() if v["verdict"] == "pass" and not shadow_failures(n, shadow, table)
-                  and n != "vendor-log"}  # a sample log is no checkpoint: nothing to register
+                  and n not in ("vendor-log", "vendor-served")}  # evaluated elsewhere: no checkpoint to register
     registered = [r["variant"] for r in run["registered"]]
     assert set(registered) == releasable and registered, (registered, releasable)
     candidate = registered[-1]

@@ -279,9 +279,9 @@ def test_only_a_log_candidate_may_leave_memory_unmeasured(tmp_path):
 def test_judged_elsewhere_is_only_for_logs():
     from pydantic import ValidationError
 
-    from pipelines.core.params_sections import CandidateParams
+    from pipelines.core.params_candidates import CandidateParams
 
-    with pytest.raises(ValidationError, match="only a candidate whose evidence is a log"):
+    with pytest.raises(ValidationError, match="only a candidate evaluated elsewhere"):
         CandidateParams(path="ckpt", judged_elsewhere=["memory"])
     with pytest.raises(ValidationError, match="listed twice"):
         CandidateParams(path="logs", source="samples", judged_elsewhere=["memory", "memory"])

@@ -19,8 +19,9 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params_requests import (DEFAULT_POLICY, REQUEST_NAME, RESERVED_REQUEST_NAMES, RequestParams,
                                             Section, shipped_requests)
+from pipelines.core.params_candidates import CandidateParams
 from pipelines.core.params_gpus import GpusParams
-from pipelines.core.params_sections import (DEFAULT_VARIANTS, CalibrationParams, CandidateParams, CompareParams,
+from pipelines.core.params_sections import (DEFAULT_VARIANTS, CalibrationParams, CompareParams,
                                             CoverageParams, EvaluateParams, FanoutParams, MemoryParams, MlflowParams,
                                             QuantizeParams, ReferenceParams, RouteParams, VariantParams)
 from pipelines.core.paths import PARAMS_FILE, PROFILE_MARKER

@@ -1,6 +1,7 @@
-"""params.yaml's per-stage sections: the reference model, calibration and coverage, variants and candidates,
-quantize, memory, evaluate, compare, route, fanout, mlflow (gpus: params_gpus). Their per-request-type parts (sources, classifier
-rules, probes, tasks, policies) are params_requests' models, filled from `requests` by params.Params.
+"""params.yaml's per-stage sections: the reference model, calibration and coverage, variants, quantize, memory,
+evaluate, compare, route, fanout, mlflow (gpus: params_gpus; candidates: params_candidates). Their per-request-type parts
+(sources, classifier rules, probes, tasks, policies) are params_requests' models, filled from `requests` by
+params.Params.
 """
 
 from __future__ import annotations
@@ -158,25 +159,6 @@ class QuantizeParams(Section):
 
     timeout_seconds: int = Field(43200, gt=0)  # the quantizing process is killed (the variant fails) after this
     threads: int | None = Field(None, ge=1)  # torch threads of each quantizing process (None: torch's default)
-
-
-class CandidateParams(Section):
-    """A third-party quantized checkpoint, or the lm-eval sample log of a model evaluated elsewhere: validated before
-    anything reads it, then judged like a variant (docs/params.md, `candidates`)."""
-
-    path: str  # the checkpoint folder, or the log's --output_path folder (source: samples); DVC hashes it
-    source: Literal["checkpoint", "samples"] = "checkpoint"  # samples: `lm_eval --log_samples` output, any backend
-    # what this machine cannot measure for the candidate and the team measured elsewhere; undeclared, a check that
-    # was not measured leaves the candidate's rows inconclusive (never a pass on what nobody looked at)
-    judged_elsewhere: list[Literal["memory", "fidelity"]] = []
-    _elsewhere_once = field_validator("judged_elsewhere")(listed_once)
-
-    @model_validator(mode="after")
-    def _elsewhere_needs_a_log(self):
-        if self.judged_elsewhere and self.source == "checkpoint":
-            raise ValueError("judged_elsewhere: a checkpoint is measured here (memory and fidelity); only a candidate "
-                             "whose evidence is a log (source: samples) can have them judged elsewhere")
-        return self
 
 
 DEFAULT_VARIANTS = {

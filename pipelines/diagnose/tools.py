@@ -1,6 +1,6 @@
-"""The doctor's rows for the tools the run drives: the MLflow tracking store the record stage writes to, and dvc.
-Each is reached the cheapest way that proves it works (a folder's write bit, a /health reply and one logged-in API
-call, an open port)."""
+"""The doctor's rows for the tools the run drives: the MLflow tracking store the record stage writes to, dvc, and the
+OpenAI-compatible endpoints candidates are served at. Each is reached the cheapest way that proves it works (a
+folder's write bit, a /health reply and one logged-in API call, an open port, /v1/models and a one-token completion)."""
 
 from __future__ import annotations
 
@@ -120,3 +120,20 @@ def dvc_check() -> Check:
         return Check("dvc", WARN, f"not on PATH; {beside} (dvc {version})", f"export PATH={beside.parent}:$PATH "
                                                                             "(scripts/run.sh does)")
     return Check("dvc", FAIL, "dvc is not installed", "bash scripts/setup.sh")
+
+
+def endpoint_check(name: str, endpoint: dict) -> Check:
+    """A candidate's server (candidates.<name>.endpoint): reachable, the model listed, prompt logprobs returned (what
+    lm-eval's log-likelihood tasks need; without them those rows are refused and the generation rows still judged)."""
+    from pipelines.evaluation.endpoints import check
+
+    label = f"endpoint {name}"
+    state = check(endpoint)
+    if state["problem"]:
+        return Check(label, FAIL, state["problem"], "start the server, or fix candidates." + name + ".endpoint "
+                     "(base_url up to /v1, model as /v1/models lists it, api_key_env naming a set variable)")
+    if not state["logprobs"]:
+        return Check(label, WARN, f"{endpoint['base_url']} serves {endpoint['model']!r}, but {state['logprobs_problem']}: "
+                     "its log-likelihood (multiple-choice) rows will be refused", "judge those rows through a server "
+                     "whose prompt logprobs are the model's (vLLM, SGLang), or from an lm-eval sample log")
+    return Check(label, OK, f"{endpoint['base_url']} serves {endpoint['model']!r} with prompt logprobs")

@@ -214,7 +214,7 @@ def audit(params, names: list[str], seed: int, device: str) -> dict:
     records, then each model's sample re-measured. Returns what `results/audit.json` keeps."""
     from pipelines.evaluation import fidelity
     from pipelines.evaluation.plans import row_of
-    from pipelines.models.loading import log_only
+    from pipelines.models.loading import no_model_here
 
     p, tol = params.evaluate, params.audit
     base = fidelity.load_base(FIDELITY_BASE)
@@ -231,9 +231,9 @@ def audit(params, names: list[str], seed: int, device: str) -> dict:
         if result.get("status") != "ok":  # no evidence for it to be trusted on: the gate judges it failed already
             skipped[name] = f"evaluation {result.get('status')}: nothing recorded to audit"
             continue
-        if log_only(VARIANTS_DIR / name):  # said, never silently left out: the gate prints it with the audit
-            skipped[name] = ("not re-measured: its evidence is an lm-eval sample log (no model here to re-run); its "
-                             "records are the log's, which DVC hashes as the admit stage's input")
+        if no_model_here(VARIANTS_DIR / name):  # said, never silently left out: the gate prints it with the audit
+            skipped[name] = ("not re-measured: its evidence is an lm-eval sample log (a team's, or the one evaluate "
+                             "wrote against its endpoint), no model here to re-run; the records are that log's")
             continue
         problems += summary_problems(name, result, items, texts, base)
         loaded[name] = (result, items, texts)

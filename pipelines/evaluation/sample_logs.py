@@ -64,8 +64,9 @@ def _redacted(args):
     return args
 
 
-def read_log(folder: str | Path) -> SampleLog:
+def read_log(folder: str | Path, engine_fields: dict | None = None) -> SampleLog:
     """The one lm-eval run under `folder` (searched below it, as --output_path nests a folder per model), read whole.
+    `engine_fields`: the --gen_kwargs an endpoint's evaluation passed on purpose (endpoint.request_fields).
 
     Raises QuantgateError naming the file (and line) for: no log, several runs, a line that is not a record (a
     truncated file), a record without what pairing needs, a (filter, doc_id) twice."""
@@ -90,7 +91,9 @@ def read_log(folder: str | Path) -> SampleLog:
         raise QuantgateError(f"{results[0]}: not an lm-eval results file (no `config` object): {REMEDY}")
     log = SampleLog(folder, results[0], settings)
     config = settings.get("config") or {}
-    if config.get("gen_kwargs"):  # fp16's answers came from each task's own generation settings: others do not pair
+    if config.get("gen_kwargs") and _as_text(config["gen_kwargs"]) != _as_text(engine_fields or {}):
+        # fp16's answers came from each task's own generation settings: others do not pair (an endpoint's declared
+        # engine knobs, endpoint.request_fields, are the one exception: pipelines/evaluation/endpoints.py)
         raise QuantgateError(f"{results[0]}: config.gen_kwargs is {config['gen_kwargs']!r}: the log was generated with "
                              "settings other than the tasks' own (drop --gen_kwargs)")
     if config.get("use_cache"):  # lm-eval's cache is keyed by request, not by model: it can answer with another's
@@ -103,6 +106,15 @@ def read_log(folder: str | Path) -> SampleLog:
         log.files[match["task"]] = path
         log.records[match["task"]] = _read_records(path)
     return log
+
+
+def _as_text(fields) -> dict[str, str] | str:
+    """--gen_kwargs as lm-eval recorded it (a dict, or "k=v,..." from older versions), for comparison by value."""
+    if isinstance(fields, dict):
+        return {str(k): str(v) for k, v in fields.items()}
+    if isinstance(fields, str):
+        return _as_text(dict(part.split("=", 1) for part in fields.split(",") if "=" in part)) if fields else {}
+    return str(fields)
 
 
 def _read_records(path: Path) -> list[tuple[int, dict]]:
@@ -175,6 +187,23 @@ def admit(name: str, path: str, out_root: Path) -> dict:
         with atomic_dir(out_root / name) as tmp:
             write_json(tmp / MANIFEST, manifest)
     return manifest
+
+
+def lm_eval_samples(plans: dict[str, dict], eval_dir: Path) -> dict[str, list[int]]:
+    """lm-eval's `--samples`: per task, the positions in its pool of every item the look plan can ask (the whole pool
+    is never needed), so a log written with it pairs with fp16's records item for item."""
+    from pipelines.evaluation.plans import pool_path
+
+    out = {}
+    for row, plan in plans.items():
+        asked = plan["order"][: plan["looks"][-1]] if plan["looks"] else []
+        if "spec" in plan:  # a standard task: its items are `<task>:<doc_id>`
+            out[plan["task"]] = sorted(int(i.rsplit(standard_tasks.SEP, 1)[1]) for i in asked)
+            continue
+        lines = pool_path(row, plan["probe"], eval_dir).read_text("utf-8").splitlines()
+        pool = [str(json.loads(line)["id"]) for line in lines if line.strip()]
+        out[plan["probe"]["task"]] = sorted(pool.index(i) for i in asked)
+    return out
 
 
 def _response(value) -> str:

@@ -25,7 +25,7 @@ from pipelines.evaluation import standard_tasks
 from pipelines.evaluation.plans import by_id, correctness, plan_summary
 from pipelines.judging import sequential, stats
 from pipelines.judging.verdict import pairing_problems, rederive, task_verdicts, usable, worst
-from pipelines.models.loading import LOG_SOURCE, NOT_MEASURED
+from pipelines.models.loading import ELSEWHERE, NOT_MEASURED
 
 
 def load_inputs(names: list[str], results: Path, variants_dir: Path) -> dict[str, dict]:
@@ -184,9 +184,10 @@ def not_checked_here(inputs: dict, memory_row: dict | None, judged_elsewhere: li
     """What a candidate judged from its lm-eval sample log cannot have measured here (token distributions; memory,
     when the memory stage says so), each with whether the team declared it judged elsewhere. Only a log candidate's
     manifest earns this: a checkpoint's missing KL or memory stays a failure."""
-    if (inputs.get("manifest") or {}).get("source") != LOG_SOURCE:
+    if (inputs.get("manifest") or {}).get("source") not in ELSEWHERE:
         return {}
-    out = {"fidelity": "an lm-eval sample log holds no token distributions to compare with fp16's"}
+    out = {"fidelity": "an lm-eval sample log (a team's, or the one evaluate wrote against an endpoint) holds no token "
+                       "distributions to compare with fp16's"}
     if (memory_row or {}).get("status") == NOT_MEASURED:
         out["memory"] = memory_row.get("reason") or "no model here"
     return {check: {"reason": reason, "judged_elsewhere": check in judged_elsewhere} for check, reason in out.items()}

@@ -103,16 +103,36 @@ def resolve_device(setting: str) -> str:
 
 
 LOG_SOURCE = "samples"  # a candidate whose evidence is an lm-eval sample log (pipelines/evaluation/sample_logs.py)
+ENDPOINT_SOURCE = "endpoint"  # a candidate behind an OpenAI-compatible server (pipelines/evaluation/endpoints.py)
+ELSEWHERE = (LOG_SOURCE, ENDPOINT_SOURCE)  # evidence without weights here: no KL, no audit re-run, no registry
 NOT_MEASURED = "not_measured"  # the status a stage records for what it cannot measure of such a candidate
 
 
-def log_only(variant_dir: str | Path) -> bool:
-    """Whether the variant's folder holds an lm-eval sample log rather than a model: nothing here to load, measure or
-    replay (its manifest's `source`)."""
+def _source(variant_dir: str | Path) -> str | None:
     from pipelines.core.io import read_json
 
     path = Path(variant_dir) / MANIFEST
-    return path.is_file() and read_json(path).get("source") == LOG_SOURCE
+    return read_json(path).get("source") if path.is_file() else None
+
+
+def no_model_here(variant_dir: str | Path) -> bool:
+    """Whether the variant's folder holds an lm-eval sample log or an endpoint's address rather than a model: no
+    weights here to load, measure or re-run (its manifest's `source`)."""
+    return _source(variant_dir) in ELSEWHERE
+
+
+def log_only(variant_dir: str | Path) -> bool:
+    """Whether the variant's evidence is an lm-eval sample log: not even a server to send the replay to."""
+    return _source(variant_dir) == LOG_SOURCE
+
+
+def endpoint_of(variant_dir: str | Path) -> dict | None:
+    """The endpoint (base_url, model, api_key_env, ...) a candidate is served at, from its manifest; None otherwise."""
+    from pipelines.core.io import read_json
+
+    if _source(variant_dir) != ENDPOINT_SOURCE:
+        return None
+    return read_json(Path(variant_dir) / MANIFEST).get("endpoint")
 
 
 def variant_manifest(variant_dir: str | Path) -> dict:
