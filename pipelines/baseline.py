@@ -2,13 +2,15 @@
 
 Every variant's evaluate stage pairs its answers with these and scores its fidelity against these
 distributions. It runs in its own process; a crash or a run past evaluate.timeout_seconds stops the
-pipeline with the cause, since without a baseline no variant can be judged.
+pipeline with the cause, since without a baseline no variant can be judged. With `baseline.source: samples` fp16's
+answers come from its lm-eval sample log instead (pipelines/evaluation/baseline_log.py), and no distributions are stored.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 
 from pipelines.core import logs
 from pipelines.core.errors import QuantgateError
@@ -16,6 +18,7 @@ from pipelines.core.io import write_json, write_jsonl
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params import load_params
 from pipelines.core.paths import BASELINE, BASELINE_RESULTS, FIDELITY_BASE, FIDELITY_TEXTS, VARIANTS_DIR
+from pipelines.evaluation import baseline_log
 from pipelines.evaluation.console import EVALUATE_VARIANT, log_probes, pop_texts
 from pipelines.evaluation.plans import probe_plans
 from pipelines.models.loading import resolve_device
@@ -27,6 +30,9 @@ def main() -> int:
     params = load_params()
     p = params.evaluate
     plans = probe_plans(p.domains, p)
+    if params.baseline.source == baseline_log.SOURCE:
+        return _from_log(params.baseline.path, plans, p.allow_unisolated_code)
+    shutil.rmtree(BASELINE_RESULTS / baseline_log.LOG_COPY, ignore_errors=True)  # a former baseline log's copy
     staged = FIDELITY_BASE.with_name(f".{FIDELITY_BASE.name}.new")  # in place only together with the records
     with logs.progress(total=1, desc="baseline fp16 (every look)", bar_format="{desc}: {elapsed}") as bar:
         done, error = run_isolated(EVALUATE_VARIANT,
@@ -45,4 +51,19 @@ def main() -> int:
     write_json(BASELINE_RESULTS / "eval.json", result)
     log_probes(BASELINE, result)
     log.info("baseline: %s -> %s", ", ".join(f"{d} {r['items']}" for d, r in result["probes"].items()), BASELINE_RESULTS)
+    return 0
+
+
+def _from_log(folder: str, plans: dict[str, dict], allow_unisolated_code: bool) -> int:
+    """fp16's records from its lm-eval sample log (baseline.source: samples), the log copied beside them."""
+    result, items = baseline_log.evaluate(folder, plans, BASELINE_RESULTS / baseline_log.LOG_COPY, allow_unisolated_code)
+    if result["status"] != "ok":
+        raise QuantgateError(f"the fp16 baseline could not be read from its sample log: {result['error']}")
+    FIDELITY_BASE.unlink(missing_ok=True)  # no distributions: KL against fp16 is not measured (baseline_log.py)
+    write_jsonl(BASELINE_RESULTS / "items.jsonl", items)
+    write_jsonl(BASELINE_RESULTS / FIDELITY_TEXTS, [])
+    write_json(BASELINE_RESULTS / "eval.json", result)
+    log_probes(BASELINE, result)
+    log.info("baseline: fp16's sample log %s: %s -> %s", folder,
+             ", ".join(f"{d} {r['items']}" for d, r in result["probes"].items()), BASELINE_RESULTS)
     return 0

@@ -17,8 +17,8 @@ from pipelines.core.params import load_params
 from pipelines.core.paths import (BASELINE, BASELINE_RESULTS, EVAL_DIR, EVAL_RESULTS, FIDELITY_BASE, FIDELITY_TEXTS,
                                   REFERENCE_DIR, VARIANTS_DIR)
 from pipelines.evaluation.console import EVALUATE_VARIANT, log_probes, pop_texts
-from pipelines.evaluation.plans import by_id, correctness, probe_plans
-from pipelines.evaluation import endpoints, sample_logs
+from pipelines.evaluation.plans import by_id, correctness, probe_plans, row_of
+from pipelines.evaluation import baseline_log, endpoints, sample_logs
 from pipelines.models.loading import endpoint_of, log_only, resolve_device
 
 log = logging.getLogger(__name__)
@@ -58,15 +58,23 @@ def main(variant: str, failed_because: str | None = None) -> int:
         log_probes(variant, result)
         return 0
     baseline = {d: correctness(by_id(base_rows, d)) for d in plans}
+    # fp16's answers from its sample log (baseline.source: samples): no distributions to score fidelity against
+    fidelity_base = None if (read_json(BASELINE_RESULTS / "eval.json").get("not_measured") or {}).get("fidelity") \
+        else FIDELITY_BASE
     with logs.progress(total=1, desc=f"evaluate {variant}", bar_format="{desc}: {elapsed}") as bar:
         device = resolve_device(params.device)
         done, error = run_isolated(EVALUATE_VARIANT,
-                                   (str(VARIANTS_DIR / variant), plans, p, device, FIDELITY_BASE, baseline,
+                                   (str(VARIANTS_DIR / variant), plans, p, device, fidelity_base, baseline,
                                     params.compare, params.gpus.shares()),
                                    p.timeout_seconds, f"evaluate {variant}", logs.current_log_file)
         bar.update()
     result, items = ({"variant": variant, "device": device, "batch_size": p.batch_size, "status": "failed",
                       "error": error}, []) if error else done
+    unpaired = baseline_log.unpaired_rows(items, base_rows)
+    for row, why in unpaired.items():  # asked otherwise than fp16 was (its log's prompts): that row's refusal
+        result["probes"][row] = {**result["probes"][row], "status": "refused", "items": 0,
+                                 "reason": f"does not pair with fp16's records: {why}"}
+    items = [r for r in items if row_of(r) not in unpaired]
     write_jsonl(EVAL_RESULTS / variant / "items.jsonl", items)
     write_jsonl(EVAL_RESULTS / variant / FIDELITY_TEXTS, pop_texts(result))  # what `quantgate audit` re-measures
     write_json(EVAL_RESULTS / f"{variant}.json", result)

@@ -203,8 +203,13 @@ def render_report(result: dict, report: dict | None, table: dict | None, policy_
                              + ("not measured here |" if "memory" in not_here else f"{_fmt(growth, '+.2f')} % |"))
         lines.append("")
     elsewhere = {n: (report or {}).get("variants", {}).get(n, {}).get("evidence") for n in result["gated"]}
-    if any(elsewhere.values()):  # candidates evaluated elsewhere (pipelines/evaluation/sample_logs.py, endpoints.py)
-        lines += ["### Evidence from sample logs and endpoints", ""] + [
+    base = ((report or {}).get("fp16") or {}).get("evidence")
+    if any(elsewhere.values()) or base:  # evaluated elsewhere (pipelines/evaluation/sample_logs.py, endpoints.py)
+        lines += ["### Evidence from sample logs and endpoints", ""] + ([
+            f"- fp16 (the baseline): lm-eval sample log, backend `{base.get('backend')}`, model_args "
+            f"`{base.get('model_args')}`, lm-eval {base.get('lm_eval_version')}: every item checked against the tasks "
+            "here and scored again; no token distributions, so KL is not measured for any model, and the audit cannot "
+            "re-run fp16"] if base else []) + [
             (f"- {n}: served at {e.get('base_url')} as `{e.get('model')}`, evaluated here by lm-eval's "
              f"`{e.get('backend')}` (prompt logprobs: {'yes' if e.get('logprobs') else 'no'}) and replayed through it; "
              "KL, memory and the audit's re-run need the weights here and were not measured" if e.get("base_url") else

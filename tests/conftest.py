@@ -90,6 +90,24 @@ def tiny_variants(tmp_path_factory, tiny_model, tiny_calibration) -> dict[str, P
     return {name: root / name for name in DEFAULT_VARIANTS}
 
 
+@pytest.fixture(scope="session")
+def log_evidence(tmp_path_factory, tiny_variants):
+    """fp16's baseline and int8 evaluated here, and int8's and fp16's lm-eval sample logs written by the real
+    `lm_eval` command (tests/test_sample_logs.py, tests/test_baseline_log.py)."""
+    from pipelines.evaluation import harness
+    from pipelines.evaluation.plans import by_id, correctness, probe_plans
+    from tests.sample_log_helpers import COMPARE, DOMAINS, P, lm_eval_log
+
+    tmp = tmp_path_factory.mktemp("sample_logs")
+    plan = probe_plans(DOMAINS, P)
+    base_result, base_items = harness.evaluate_variant(str(tiny_variants["fp16"]), plan, P, "cpu", tmp / "base.st")
+    answers = {d: correctness(by_id(base_items, d)) for d in DOMAINS}
+    int8 = harness.evaluate_variant(str(tiny_variants["int8"]), plan, P, "cpu", tmp / "base.st", answers, COMPARE)
+    logs = {name: lm_eval_log(tiny_variants[name], tmp / f"{name}-log", plan, ROOT, P.batch_size)
+            for name in ("int8", "fp16")}
+    return {"plan": plan, "base": (base_result, base_items), "int8": int8, "logs": logs, "tmp": tmp}
+
+
 # ---- third-party checkpoints for the admission tests (tests/test_checkpoints_*.py), built once per session
 @pytest.fixture(scope="session")
 def direct_checkpoints(tmp_path_factory, tiny_model, tiny_calibration):

@@ -102,3 +102,24 @@ def test_editing_the_cli_or_compares_charts_reruns_only_the_stage_that_owns_the_
     assert stages_after_editing("pipelines/judging/plots.py") == {"compare"}
     assert stages_after_editing("pipelines/store/tracking.py") == {"record"}
     assert stages_after_editing("pipelines/judging/verdict.py") == {"compare", "route", "record"}
+
+
+def test_the_baseline_stage_hashes_fp16s_sample_log_when_params_point_at_one(tmp_path):
+    """baseline.source: samples: the log folder is the baseline stage's dependency (an edited log is a stale input),
+    and by default fp16's own checkpoint is, as before (pipelines/evaluation/baseline_log.py)."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+
+    def baseline_deps(where: Path) -> list[str]:  # a process each: DVC keeps what it parsed of params files
+        where.mkdir()
+        shutil.copyfile(ROOT / "dvc.yaml", where / "dvc.yaml")
+        (where / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "--no-scm", "-q"], cwd=where, check=True)
+        read = ("import json; from dvc.repo import Repo; "
+                "print(json.dumps([str(d.def_path) for d in Repo('.').stage.collect('baseline')[0].deps]))")
+        return json.loads(subprocess.run([sys.executable, "-c", read], cwd=where, check=True, capture_output=True,
+                                         text=True).stdout)
+
+    assert "models/variants/fp16" in baseline_deps(tmp_path / "here")
+    params["baseline"] = {"source": "samples", "path": "logs/fp16-vllm"}
+    deps = baseline_deps(tmp_path / "log")
+    assert "logs/fp16-vllm" in deps and "models/variants/fp16" not in deps

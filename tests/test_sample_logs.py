@@ -13,43 +13,18 @@ import pytest
 
 from pipelines.core.errors import QuantgateError
 from pipelines.core.io import read_json, write_json
-from pipelines.core.params_sections import CompareParams, EvaluateParams
-from pipelines.evaluation import harness, sample_logs
-from pipelines.evaluation.plans import by_id, correctness, probe_plans
+from pipelines.evaluation import sample_logs
+from pipelines.evaluation.plans import by_id
 from pipelines.judging import comparison
 from pipelines.judging.verdict import KEY_NUMBERS, check_row
 from tests.handmade import correctness as answers_of
 from tests.handmade import memory_row, plans, write_eval_items, write_memory, write_model
-from tests.sample_log_helpers import lm_eval_log
-
-P = EvaluateParams(look_items=4, max_items=8, batch_size=8, fidelity_texts=4)
-DOMAINS = ["math", "chat", "code_comment"]  # generation (exact match) and multiple choice (log-likelihood)
-COMPARE = CompareParams()
-ROOT = Path(__file__).resolve().parents[1]
+from tests.sample_log_helpers import COMPARE, DOMAINS, edited_log, from_log, refusal, rewrite_line, samples_file
 
 
-@pytest.fixture(scope="module")
-def evidence(tmp_path_factory, tiny_variants):
-    """fp16's baseline and int8 evaluated here, and int8's (and fp16's) lm-eval sample logs."""
-    tmp = tmp_path_factory.mktemp("sample_logs")
-    plan = probe_plans(DOMAINS, P)
-    base_result, base_items = harness.evaluate_variant(str(tiny_variants["fp16"]), plan, P, "cpu", tmp / "base.st")
-    answers = {d: correctness(by_id(base_items, d)) for d in DOMAINS}
-    int8 = harness.evaluate_variant(str(tiny_variants["int8"]), plan, P, "cpu", tmp / "base.st", answers, COMPARE)
-    logs = {name: lm_eval_log(tiny_variants[name], tmp / f"{name}-log", plan, ROOT, P.batch_size)
-            for name in ("int8", "fp16")}
-    return {"plan": plan, "base": (base_result, base_items), "int8": int8, "logs": logs, "tmp": tmp}
-
-
-def from_log(evidence, folder):
-    base_result, base_items = evidence["base"]
-    return sample_logs.records(sample_logs.read_log(folder), evidence["plan"], base_items, base_result,
-                               COMPARE.policy_for, COMPARE)
-
-
-def test_a_log_of_the_baseline_pairs_item_for_item_with_the_pipelines_own_records(evidence):
-    summary, items = from_log(evidence, evidence["logs"]["fp16"])
-    base_result, base_items = evidence["base"]
+def test_a_log_of_the_baseline_pairs_item_for_item_with_the_pipelines_own_records(log_evidence):
+    summary, items = from_log(log_evidence, log_evidence["logs"]["fp16"])
+    base_result, base_items = log_evidence["base"]
     for domain in DOMAINS:
         mine, theirs = by_id(items, domain), by_id(base_items, domain)
         assert list(mine) and set(mine) <= set(theirs)
@@ -58,12 +33,12 @@ def test_a_log_of_the_baseline_pairs_item_for_item_with_the_pipelines_own_record
         assert summary[domain]["task_version"] == base_result["probes"][domain]["task_version"]
 
 
-def test_a_log_gives_the_verdict_rows_of_the_pipelines_own_evaluation(evidence):
+def test_a_log_gives_the_verdict_rows_of_the_pipelines_own_evaluation(log_evidence):
     """int8 evaluated here and int8's lm-eval log: the same records, so the same paired numbers and verdict; the log's
     row leaves KL to a declaration (inconclusive without one)."""
-    summary, items = from_log(evidence, evidence["logs"]["int8"])
-    in_process_result, in_process_items = evidence["int8"]
-    base_items = evidence["base"][1]
+    summary, items = from_log(log_evidence, log_evidence["logs"]["int8"])
+    in_process_result, in_process_items = log_evidence["int8"]
+    base_items = log_evidence["base"][1]
     for domain in DOMAINS:
         ours = by_id(in_process_items, domain)
         assert by_id(items, domain) == ours  # exactly the items the looks needed, each as evaluate wrote it
@@ -71,55 +46,28 @@ def test_a_log_gives_the_verdict_rows_of_the_pipelines_own_evaluation(evidence):
         policy = COMPARE.policy_for(domain)
         mem = {"growth_excess_pct": 0.0}
         args = (by_id(base_items, domain), ours, in_process_result["probes"][domain])
-        here = comparison.compare_domain(*args, in_process_result["fidelity"][domain], mem, evidence["plan"][domain],
+        here = comparison.compare_domain(*args, in_process_result["fidelity"][domain], mem, log_evidence["plan"][domain],
                                          policy, COMPARE)
         log_args = (by_id(base_items, domain), by_id(items, domain), summary[domain])
         for declared, expected in (([], "inconclusive" if here["verdict"] == "pass" else here["verdict"]),
                                    (["fidelity"], here["verdict"])):
             not_here = {"fidelity": {"reason": "a log", "judged_elsewhere": "fidelity" in declared}}
-            logged = comparison.compare_domain(*log_args, None, mem, evidence["plan"][domain], policy, COMPARE,
+            logged = comparison.compare_domain(*log_args, None, mem, log_evidence["plan"][domain], policy, COMPARE,
                                                None, not_here)
             assert {k: logged["paired"][k] for k in KEY_NUMBERS} == {k: here["paired"][k] for k in KEY_NUMBERS}
             assert logged["verdict"] == expected, (domain, declared, logged["reasons"], here["reasons"])
 
 
-def edited_log(evidence, name: str, edit) -> Path:
-    """A copy of fp16's log with `edit(folder)` applied."""
-    folder = evidence["tmp"] / name
-    shutil.rmtree(folder, ignore_errors=True)
-    shutil.copytree(evidence["logs"]["fp16"], folder)
-    edit(next(folder.rglob("results_*.json")).parent)
-    return folder
-
-
-def refusal(evidence, folder: Path, row: str) -> str:
-    """The reason the row of the log in `folder` is refused (it must be; the other rows are still judged)."""
-    summary, _ = from_log(evidence, folder)
-    assert summary[row]["status"] == "refused", summary[row]
-    assert all(s["status"] == "ok" for r, s in summary.items() if r != row)
-    return summary[row]["reason"]
-
-
-def samples_file(folder: Path, task: str) -> Path:
-    return next(folder.glob(f"samples_{task}_*.jsonl"))
-
-
-def rewrite_line(path: Path, number: int, change) -> None:
-    lines = path.read_text(encoding="utf-8").splitlines()
-    lines[number - 1] = change(lines[number - 1])
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-
-
-def test_logs_that_do_not_pair_are_refused_naming_file_and_line(evidence):
+def test_logs_that_do_not_pair_are_refused_naming_file_and_line(log_evidence):
     def other_prompt(line):
         record = json.loads(line)
         record["prompt_hash"] = "0" * 64  # as a chat template or another few-shot seed would make it
         return json.dumps(record)
 
-    folder = edited_log(evidence, "prompt", lambda d: rewrite_line(samples_file(d, "quantgate_math"), 2, other_prompt))
-    assert re.search(r"samples_quantgate_math_.*\.jsonl:2: item .* prompt_hash differs", refusal(evidence, folder, "math"))
+    folder = edited_log(log_evidence, "prompt", lambda d: rewrite_line(samples_file(d, "quantgate_math"), 2, other_prompt))
+    assert re.search(r"samples_quantgate_math_.*\.jsonl:2: item .* prompt_hash differs", refusal(log_evidence, folder, "math"))
 
-    folder = edited_log(evidence, "truncated", lambda d: samples_file(d, "quantgate_chat").write_text(
+    folder = edited_log(log_evidence, "truncated", lambda d: samples_file(d, "quantgate_chat").write_text(
         samples_file(d, "quantgate_chat").read_text()[:-40]))
     with pytest.raises(QuantgateError, match=r"samples_quantgate_chat_.*\.jsonl:\d+: not a JSON record .*truncated"):
         sample_logs.read_log(folder)
@@ -131,21 +79,21 @@ def test_logs_that_do_not_pair_are_refused_naming_file_and_line(evidence):
         results.write_text(json.dumps(data))
 
     assert re.search(r"results_.*\.json: versions.quantgate_math is 2.0, fp16 .* 1.0",
-                     refusal(evidence, edited_log(evidence, "version", version), "math"))
+                     refusal(log_evidence, edited_log(log_evidence, "version", version), "math"))
 
     def fewer(d):  # the first look's items not all there: an evaluation stopped early, or another --limit
         path = samples_file(d, "quantgate_chat")
         path.write_text("\n".join(path.read_text().splitlines()[1:]) + "\n")
 
     assert re.search(r"samples_quantgate_chat_.*: look \d of row chat needs the pool's first \d items .* lacks 1",
-                     refusal(evidence, edited_log(evidence, "fewer", fewer), "chat"))
+                     refusal(log_evidence, edited_log(log_evidence, "fewer", fewer), "chat"))
 
     def second_run(d):
         results = next(d.glob("results_*.json"))
         shutil.copyfile(results, d / "results_2020-01-01T00-00-00.000001.json")
 
     with pytest.raises(QuantgateError, match=r"2 lm-eval runs"):
-        sample_logs.read_log(edited_log(evidence, "two", second_run))
+        sample_logs.read_log(edited_log(log_evidence, "two", second_run))
 
     def sampled(d):
         results = next(d.glob("results_*.json"))
@@ -154,7 +102,7 @@ def test_logs_that_do_not_pair_are_refused_naming_file_and_line(evidence):
         results.write_text(json.dumps(data))
 
     with pytest.raises(QuantgateError, match=r"gen_kwargs"):
-        sample_logs.read_log(edited_log(evidence, "sampled", sampled))
+        sample_logs.read_log(edited_log(log_evidence, "sampled", sampled))
 
     def cached(d):
         results = next(d.glob("results_*.json"))
@@ -163,26 +111,26 @@ def test_logs_that_do_not_pair_are_refused_naming_file_and_line(evidence):
         results.write_text(json.dumps(data))
 
     with pytest.raises(QuantgateError, match=r"use_cache .* another model's"):
-        sample_logs.read_log(edited_log(evidence, "cached", cached))
+        sample_logs.read_log(edited_log(log_evidence, "cached", cached))
 
     def not_utf8(d):
         path = samples_file(d, "quantgate_math")
         path.write_bytes(path.read_bytes().replace(b'"doc_id"', b'"doc\xff_id"', 1))
 
     with pytest.raises(QuantgateError, match=r"samples_quantgate_math_.*\.jsonl:1: not UTF-8"):
-        sample_logs.read_log(edited_log(evidence, "bytes", not_utf8))
+        sample_logs.read_log(edited_log(log_evidence, "bytes", not_utf8))
     with pytest.raises(QuantgateError, match=r"samples_quantgate_chat_.*\.jsonl: no records \(an empty samples file\)"):
-        sample_logs.read_log(edited_log(evidence, "empty", lambda d: samples_file(d, "quantgate_chat").write_text("")))
+        sample_logs.read_log(edited_log(log_evidence, "empty", lambda d: samples_file(d, "quantgate_chat").write_text("")))
 
 
-def test_a_row_that_does_not_pair_is_that_rows_refusal_and_an_edited_score_is_caught(evidence):
+def test_a_row_that_does_not_pair_is_that_rows_refusal_and_an_edited_score_is_caught(log_evidence):
     """A missing task refuses its row only; a score edited in the log (the response kept) is scored again here."""
-    summary, items = from_log(evidence, edited_log(evidence, "no-math",
+    summary, items = from_log(log_evidence, edited_log(log_evidence, "no-math",
                                                    lambda d: samples_file(d, "quantgate_math").unlink()))
     assert summary["math"]["status"] == "refused" and "no samples_quantgate_math_<date>.jsonl" in summary["math"]["reason"]
     assert summary["chat"]["status"] == "ok" and by_id(items, "chat")
 
-    base_items = by_id(evidence["base"][1], "math")
+    base_items = by_id(log_evidence["base"][1], "math")
     wrong = next(i for i, r in base_items.items() if not r["correct"])  # an item fp16 gets wrong: the log claims right
 
     def edit(d):
@@ -195,32 +143,32 @@ def test_a_row_that_does_not_pair_is_that_rows_refusal_and_an_edited_score_is_ca
                 lines[n] = json.dumps(record, ensure_ascii=False)
         path.write_text("\n".join(lines) + "\n")
 
-    summary, _ = from_log(evidence, edited_log(evidence, "rescored", edit))
+    summary, _ = from_log(log_evidence, edited_log(log_evidence, "rescored", edit))
     assert summary["math"]["status"] == "refused"
     assert f"item {wrong}: the log scores it exact_match 1.0, the task here scores its response 0.0" in \
         summary["math"]["reason"], summary["math"]["reason"]
 
 
-def test_a_log_of_fp16s_own_run_is_not_a_candidate(evidence):
+def test_a_log_of_fp16s_own_run_is_not_a_candidate(log_evidence):
     """fp16's log as a candidate: every answer and multiple-choice log-likelihood equal to fp16's own fails."""
-    summary, items = from_log(evidence, evidence["logs"]["fp16"])
-    base_items = evidence["base"][1]
+    summary, items = from_log(log_evidence, log_evidence["logs"]["fp16"])
+    base_items = log_evidence["base"][1]
     not_here = {"fidelity": {"reason": "a log", "judged_elsewhere": True}}
     row = comparison.compare_domain(by_id(base_items, "chat"), by_id(items, "chat"), summary["chat"], None,
-                                    {"growth_excess_pct": 0.0}, evidence["plan"]["chat"], COMPARE.policy_for("chat"),
+                                    {"growth_excess_pct": 0.0}, log_evidence["plan"]["chat"], COMPARE.policy_for("chat"),
                                     COMPARE, None, not_here)
     assert row["identical_to_fp16"] and row["verdict"] == "fail"
     assert any("the log is fp16's own run" in r for r in row["reasons"])
 
 
-def test_admit_copies_a_good_log_with_its_hashes_and_refuses_a_bad_one(evidence, tmp_path):
-    manifest = sample_logs.admit("vendor-log", str(evidence["logs"]["int8"]), tmp_path)
+def test_admit_copies_a_good_log_with_its_hashes_and_refuses_a_bad_one(log_evidence, tmp_path):
+    manifest = sample_logs.admit("vendor-log", str(log_evidence["logs"]["int8"]), tmp_path)
     assert manifest["status"] == "ok" and manifest["evidence"]["backend"] == "hf"
     copied = tmp_path / "vendor-log" / sample_logs.LOG_DIR
     assert sorted(manifest["files"]) == sorted(p.name for p in copied.iterdir())
     assert read_json(tmp_path / "vendor-log" / "quantgate.json")["source"] == "samples"
 
-    bad = edited_log(evidence, "bad", lambda d: samples_file(d, "quantgate_math").write_text("{not json\n"))
+    bad = edited_log(log_evidence, "bad", lambda d: samples_file(d, "quantgate_math").write_text("{not json\n"))
     refused = sample_logs.admit("vendor-bad", str(bad), tmp_path)
     assert refused["status"] == "failed"
     assert ":1: not a JSON record" in refused["reasons"][0]

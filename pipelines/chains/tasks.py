@@ -87,11 +87,12 @@ def chain_stages(params) -> dict[str, Stage]:
 
 def inputs_fingerprint(root: Path, params) -> dict[str, list[int]]:
     """(size, mtime) of every file the chains read that a person could edit while they run: params.yaml, dvc.yaml,
-    the code, the probes, the calibration sets, the reference model and the candidates' folders. `dvc commit` records
+    the code, the probes, the calibration sets, the reference model, the candidates' folders and fp16's sample log. `dvc commit` records
     the inputs as they are when it runs; if they changed since the tasks started, it would vouch for outputs made
     from other inputs, so the fan-out refuses to commit instead."""
     paths = [root / PARAMS_FILE, root / DVC_YAML, root / "pipelines", root / EVAL_DIR, root / "calibration_sets",
-             root / REFERENCE_DIR, *[(root / c.path) for c in params.candidates.values()]]
+             root / REFERENCE_DIR, *[(root / c.path) for c in params.candidates.values()],
+             *([root / params.baseline.path] if params.baseline.source != "here" else [])]  # fp16's sample log
     seen: dict[str, list[int]] = {}
     for top in paths:
         files = [top] if top.is_file() else sorted(p for p in top.rglob("*") if p.is_file()) if top.is_dir() else []

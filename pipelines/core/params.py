@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, ValidationInfo, field_va
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params_requests import (DEFAULT_POLICY, REQUEST_NAME, RESERVED_REQUEST_NAMES, RequestParams,
                                             Section, shipped_requests)
-from pipelines.core.params_candidates import CandidateParams
+from pipelines.core.params_candidates import BaselineParams, CandidateParams
 from pipelines.core.params_gpus import GpusParams
 from pipelines.core.params_sections import (DEFAULT_VARIANTS, CalibrationParams, CompareParams,
                                             CoverageParams, EvaluateParams, FanoutParams, MemoryParams, MlflowParams,
@@ -96,6 +96,7 @@ class Params(Section):
     coverage: CoverageParams = Field(default_factory=CoverageParams, validate_default=True)
     variants: dict[str, VariantParams] = Field(default_factory=lambda: dict(DEFAULT_VARIANTS))
     candidates: dict[str, CandidateParams] = {}
+    baseline: BaselineParams = BaselineParams()  # fp16's answers: evaluated here, or a sample log from elsewhere
     quantize: QuantizeParams = QuantizeParams()
     memory: MemoryParams = MemoryParams()
     evaluate: EvaluateParams = Field(default_factory=EvaluateParams, validate_default=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
 from pipelines.evaluation import sample_logs
+from pipelines.evaluation.plans import lm_eval_samples
 from pipelines.models.loading import ENDPOINT_SOURCE
 
 SOURCE = ENDPOINT_SOURCE
@@ -244,7 +245,7 @@ def evaluate(name: str, variant_dir: Path, plans: dict[str, dict], base_items: l
                 skipped[row] = (f"scored by log-likelihood, and {endpoint['base_url']} gives no usable prompt logprobs "
                                 f"({evidence.get('logprobs_problem')}): judge it through a server that does (vLLM, "
                                 "SGLang), or from a sample log")
-        wanted = sample_logs.lm_eval_samples({r: p for r, p in plans.items() if r not in skipped}, eval_dir)
+        wanted = lm_eval_samples({r: p for r, p in plans.items() if r not in skipped}, eval_dir)
         tasks = {t: positions for t, positions in wanted.items() if positions}
         shutil.rmtree(log_dir, ignore_errors=True)
         if tasks:

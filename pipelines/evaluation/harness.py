@@ -239,7 +239,7 @@ def fidelity_texts(domains: list[str], per_domain: int, probes: dict[str, dict])
     return texts
 
 
-def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, fidelity_base: Path,
+def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, fidelity_base: Path | None,
                      baseline: dict[str, dict[str, bool]] | None = None, compare=None,
                      max_memory: dict | None = None) -> tuple[dict, list[dict]]:
     """Probes (look by look) and fidelity for one model; a model that cannot load is recorded as failed.
@@ -271,6 +271,10 @@ def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, f
             fidelity.save_base(fidelity.base_record(model, tokenizer, texts, p.top_k, device, own), fidelity_base)
             result["fidelity"] = fidelity.report({d: own.get(d, []) for d in fidelity_domains},
                                                  fidelity.load_base(fidelity_base))
+        elif fidelity_base is None:  # fp16's baseline is a sample log (baseline_log.py): no distributions to compare
+            from pipelines.evaluation.baseline_log import NO_DISTRIBUTIONS
+
+            result["fidelity"], result["not_measured"] = None, {"fidelity": NO_DISTRIBUTIONS}
         else:
             result["fidelity"] = fidelity.compare(model, fidelity.load_base(fidelity_base), fidelity_domains, device)
         result["status"] = "ok"

@@ -6,6 +6,7 @@ the pools, the look sizes and the order in which items are asked.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
@@ -130,3 +131,18 @@ def probe_plans(domains: list[str], p: EvaluateParams, eval_dir: Path = EVAL_DIR
 def plan_summary(plans: dict[str, dict]) -> dict[str, dict]:
     """What compare.json keeps of a plan: pool size and look sizes (the order is recomputed from the items)."""
     return {d: {"pool": plan["pool"], "looks": plan["looks"]} for d, plan in plans.items()}
+
+
+def lm_eval_samples(plans: dict[str, dict], eval_dir: Path) -> dict[str, list[int]]:
+    """lm-eval's `--samples`: per task, the positions in its pool of every item the look plan can ask (the whole pool
+    is never needed), so a log written with it pairs with fp16's records item for item."""
+    out = {}
+    for row, plan in plans.items():
+        asked = plan["order"][: plan["looks"][-1]] if plan["looks"] else []
+        if "spec" in plan:  # a standard task: its items are `<task>:<doc_id>`
+            out[plan["task"]] = sorted(int(i.rsplit(standard_tasks.SEP, 1)[1]) for i in asked)
+            continue
+        lines = pool_path(row, plan["probe"], eval_dir).read_text("utf-8").splitlines()
+        pool = [str(json.loads(line)["id"]) for line in lines if line.strip()]
+        out[plan["probe"]["task"]] = sorted(pool.index(i) for i in asked)
+    return out

@@ -182,7 +182,9 @@ def remeasure_models(names: list[str], params, sample: dict, device: str) -> dic
     from pipelines.evaluation.plans import probe_plans
 
     p = params.evaluate
-    plans, base, out = probe_plans(p.domains, p), fidelity.load_base(FIDELITY_BASE), {}
+    # no distributions when fp16's baseline is a sample log (baseline_log.py): no texts to re-measure
+    plans, out = probe_plans(p.domains, p), {}
+    base = fidelity.load_base(FIDELITY_BASE) if FIDELITY_BASE.exists() else {}
     with logs.progress(total=len(names), desc="audit (re-measuring)", unit="model") as bar:
         for name in names:
             out[name] = _remeasure_one(name, params, plans, base, sample[name], device)
@@ -217,7 +219,7 @@ def audit(params, names: list[str], seed: int, device: str) -> dict:
     from pipelines.models.loading import no_model_here
 
     p, tol = params.evaluate, params.audit
-    base = fidelity.load_base(FIDELITY_BASE)
+    base = fidelity.load_base(FIDELITY_BASE) if FIDELITY_BASE.exists() else {}  # none: fp16's is a sample log
     problems, loaded, skipped = [], {}, {}
     for name in names:
         path = EVAL_RESULTS / f"{name}.json"
@@ -230,6 +232,10 @@ def audit(params, names: list[str], seed: int, device: str) -> dict:
             continue
         if result.get("status") != "ok":  # no evidence for it to be trusted on: the gate judges it failed already
             skipped[name] = f"evaluation {result.get('status')}: nothing recorded to audit"
+            continue
+        if name == BASELINE and result.get("baseline"):  # fp16's records are its team's log: nothing here to re-run
+            skipped[name] = (f"not re-measured: fp16's records come from its lm-eval sample log "
+                             f"({result['baseline'].get('path')}), checked and scored again by the baseline stage")
             continue
         if no_model_here(VARIANTS_DIR / name):  # said, never silently left out: the gate prints it with the audit
             skipped[name] = ("not re-measured: its evidence is an lm-eval sample log (a team's, or the one evaluate "

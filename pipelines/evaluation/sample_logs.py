@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
 from pipelines.core.io import sha256_file
-from pipelines.evaluation import standard_tasks
+from pipelines.evaluation.log_records import REMEDY, row_task, score_again, task_here, task_samples, to_record
 from pipelines.evaluation.plans import by_id, correctness
 from pipelines.judging import sequential
 from pipelines.models.loading import LOG_SOURCE
@@ -30,7 +30,6 @@ LOG_DIR = "samples"  # models/variants/<name>/samples/: the admitted copy of the
 SAMPLES_FILE = re.compile(r"^samples_(?P<task>.+)_(?P<date>\d{4}-\d\d-\d\dT[\d.\-]+)\.jsonl$")
 RESULTS_FILE = re.compile(r"^results_(?P<date>\d{4}-\d\d-\d\dT[\d.\-]+)\.json$")
 NEEDED = ("doc_id", "doc", "filter", "doc_hash", "prompt_hash", "target", "filtered_resps")
-REMEDY = "write it again with `lm_eval ... --log_samples --output_path DIR` (one run per folder)"
 
 
 @dataclass
@@ -189,67 +188,6 @@ def admit(name: str, path: str, out_root: Path) -> dict:
     return manifest
 
 
-def lm_eval_samples(plans: dict[str, dict], eval_dir: Path) -> dict[str, list[int]]:
-    """lm-eval's `--samples`: per task, the positions in its pool of every item the look plan can ask (the whole pool
-    is never needed), so a log written with it pairs with fp16's records item for item."""
-    from pipelines.evaluation.plans import pool_path
-
-    out = {}
-    for row, plan in plans.items():
-        asked = plan["order"][: plan["looks"][-1]] if plan["looks"] else []
-        if "spec" in plan:  # a standard task: its items are `<task>:<doc_id>`
-            out[plan["task"]] = sorted(int(i.rsplit(standard_tasks.SEP, 1)[1]) for i in asked)
-            continue
-        lines = pool_path(row, plan["probe"], eval_dir).read_text("utf-8").splitlines()
-        pool = [str(json.loads(line)["id"]) for line in lines if line.strip()]
-        out[plan["probe"]["task"]] = sorted(pool.index(i) for i in asked)
-    return out
-
-
-def _response(value) -> str:
-    """A filtered response as the in-process evaluation writes it: lm-eval's log keeps a multiple-choice answer
-    (log-likelihood, is-greedy) as a list of strings, an evaluation in memory as a tuple."""
-    if isinstance(value, list):
-        return "(" + ", ".join(str(v) for v in value) + ("," if len(value) == 1 else "") + ")"
-    return str(value)
-
-
-def _row_task(row: str, plan: dict) -> tuple[str, str | None, str]:
-    """(lm-eval task, filter or None for "the one there is", metric) of a plan row."""
-    if "spec" in plan:
-        from pipelines.evaluation.harness import task_configs
-
-        cfg = task_configs({row: plan})[row]
-        filt, metric = standard_tasks.scoring(cfg)
-        return cfg["task"], filt, metric
-    return plan["probe"]["task"], None, plan["probe"]["metric"]
-
-
-def _to_record(row: str, plan: dict, task: str, metric: str, sample: dict, where: str, results: dict) -> dict:
-    """One log record as evaluate's per-item record (pipelines/evaluation/harness.py writes the same fields)."""
-    from pipelines.evaluation.harness import item_chance
-
-    value = sample.get(metric)
-    if value is None:
-        raise QuantgateError(f"{where}: no metric {metric!r} in the record (the task's metric here)")
-    if value not in (0, 1):
-        raise QuantgateError(f"{where}: metric {metric!r} is {value!r}, not 0/1 per item: only pass/fail metrics pair")
-    if "spec" in plan:
-        item, family, domain = standard_tasks.item_id(plan["task"], sample["doc_id"]), None, plan["domain"]
-    else:
-        doc = sample["doc"] if isinstance(sample["doc"], dict) else {}
-        item, family, domain = str(doc.get("id")), doc.get("family"), row
-    record = {"domain": domain, "task": task, "item_id": item, "family": family, "doc_id": sample["doc_id"],
-              "doc_hash": sample["doc_hash"], "prompt_hash": sample["prompt_hash"], "target": str(sample["target"]),
-              "response": _response((sample["filtered_resps"] or [None])[0]), "correct": bool(value),
-              # a log keeps `arguments` as text: a multiple-choice item's choices are its responses, one per choice
-              "chance": item_chance({"configs": results.get("configs") or {}}, task,
-                                    {"arguments": sample["filtered_resps"]})}
-    if "spec" in plan:
-        record["filter"] = sample["filter"]
-    return record
-
-
 def records(log: SampleLog, plans: dict[str, dict], base_items: list[dict], base_eval: dict, policy_for,
             compare) -> tuple[dict, list[dict]]:
     """(evaluation summary, per-item records) of a candidate from its log, paired with fp16's records.
@@ -260,7 +198,7 @@ def records(log: SampleLog, plans: dict[str, dict], base_items: list[dict], base
     is that row's refusal, its reason naming file and line; the other rows are judged."""
     summary, items = {}, []
     for row, plan in plans.items():
-        task, wanted_filter, metric = _row_task(row, plan)
+        task, wanted_filter, metric = row_task(row, plan)
         base_probe = (base_eval.get("probes") or {}).get(row) or {}
         if base_probe.get("status") != "ok":  # fp16 could not be measured on it here (no sandbox, say): nothing to pair
             summary[row] = {"task": task, "status": "refused", "score": None, "stderr": None, "items": 0,
@@ -282,27 +220,15 @@ def records(log: SampleLog, plans: dict[str, dict], base_items: list[dict], base
 def _row(log: SampleLog, row: str, plan: dict, task: str, wanted_filter: str | None, metric: str, base_probe: dict,
          base: dict[str, dict], policy_for, compare) -> tuple[dict, list[dict]]:
     """One row's summary and kept records (see `records`); raises QuantgateError naming file and line."""
-    if "spec" in plan and plan["task"] in standard_tasks.SANDBOXED:
-        raise QuantgateError(f"{task}: quantgate scores it in its own sandbox, lm-eval's log elsewhere (HF code_eval, "
-                             "another filter and metric): its logged scores do not pair; judge it here, or leave it out")
-    path = log.files.get(task)
-    if path is None:
-        raise QuantgateError(f"{log.folder}: no samples_{task}_<date>.jsonl (the log has {', '.join(sorted(log.files))}): "
-                             f"run lm_eval with --tasks {task} (`--include_path eval` for the probes)")
-    version = (log.results.get("versions") or {}).get(task)
-    if str(version) != str(base_probe.get("task_version")):
-        raise QuantgateError(f"{log.results_file}: versions.{task} is {version!r}, fp16 was evaluated on version "
-                             f"{base_probe.get('task_version')!r}: another task definition does not pair")
-    filters = sorted({r["filter"] for _, r in log.records[task]})
-    if wanted_filter is None and len(filters) != 1:
-        raise QuantgateError(f"{path}: filters {filters}; the probe task {task} scores through exactly one")
-    wanted_filter = wanted_filter or filters[0]
+    here = task_here(task, plan)
+    path, wanted_filter, filters, version = task_samples(log, plan, task, wanted_filter, here,
+                                                         base_probe.get("task_version"), "fp16 was evaluated on version")
     mine, lines = {}, {}
     for number, sample in log.records[task]:
         if sample["filter"] != wanted_filter:
             continue
         where = f"{path}:{number}"
-        record = _to_record(row, plan, task, metric, sample, where, log.results)
+        record = to_record(row, plan, task, metric, sample, where, log.results)
         theirs = base.get(record["item_id"])
         if theirs is not None:
             for key, why in (("doc_hash", "another item text (another pool file or version)"),
@@ -315,39 +241,13 @@ def _row(log: SampleLog, row: str, plan: dict, task: str, wanted_filter: str | N
     if not mine:
         raise QuantgateError(f"{path}: no record scored through filter {wanted_filter!r} (filters there: {filters})")
     kept = _looks(row, plan, correctness(base), {i: r for i, (r, _) in mine.items()}, path, policy_for, compare)
-    _score_again(task, plan, metric, [(f"{path}:{lines[i]}", *mine[i]) for i in kept])
+    score_again(task, plan, metric, [(f"{path}:{lines[i]}", *mine[i]) for i in kept], here)
     score = sum(mine[i][0]["correct"] for i in kept) / len(kept) if kept else None
     summary = {"task": task, "status": "ok", "task_version": version, "metric": metric, "score": score,
                "stderr": None, "items": len(kept), "source": str(path.name)}
     if "spec" in plan:
         summary["filter"] = wanted_filter
     return summary, [mine[i][0] for i in kept]
-
-
-def _score_again(task: str, plan: dict, metric: str, kept: list[tuple[str, dict, dict]]) -> None:
-    """Each kept answer scored here by the task's own process_results from the logged response: a log whose score
-    was edited, or made by another scorer (a machine whose sandbox refused the code, say), is refused, not believed."""
-    from pipelines.core.logs import library_output
-    from pipelines.core.paths import EVAL_DIR
-
-    with library_output("lm_eval"):
-        if "spec" in plan:
-            from pipelines.evaluation.harness import task_configs
-
-            cfg = next(iter(task_configs({task: plan}).values()))
-            scorer = standard_tasks.task_manager(True, str(EVAL_DIR)).load([cfg])["tasks"][cfg["task"]]
-        else:
-            scorer = standard_tasks.task_manager(False, str(EVAL_DIR)).load([task])["tasks"][task]
-        for where, record, sample in kept:
-            responses = sample["filtered_resps"]
-            if responses and isinstance(responses[0], list):  # multiple choice: (log-likelihood, is-greedy) per choice
-                responses = [(float(ll), str(greedy) == "True") for ll, greedy in responses]
-            again = scorer.process_results(sample["doc"], responses).get(metric)
-            if again is None or bool(again) != record["correct"]:
-                raise QuantgateError(f"{where}: item {record['item_id']}: the log scores it {metric} "
-                                     f"{sample.get(metric)!r}, the task here scores its response "
-                                     f"{again if again is None else float(again)!r}: an edited "
-                                     "log, another version of the scorer, or code scored where the sandbox refused it")
 
 
 def evaluate(name: str, folder: Path, plans: dict[str, dict], base_items: list[dict], base_eval: dict,

@@ -180,17 +180,25 @@ def _more_items_advice(need: float | None, paired: dict, power: float, pool: int
             f"if the flips cluster (design effect {paired['design_effect']:.1f})")
 
 
-def not_checked_here(inputs: dict, memory_row: dict | None, judged_elsewhere: list[str]) -> dict[str, dict]:
+def not_checked_here(inputs: dict, memory_row: dict | None, judged_elsewhere: list[str],
+                     base_eval: dict | None = None) -> dict[str, dict]:
     """What a candidate judged from its lm-eval sample log cannot have measured here (token distributions; memory,
-    when the memory stage says so), each with whether the team declared it judged elsewhere. Only a log candidate's
-    manifest earns this: a checkpoint's missing KL or memory stays a failure."""
-    if (inputs.get("manifest") or {}).get("source") not in ELSEWHERE:
+    when the memory stage says so), each with whether the team declared it judged elsewhere; and KL for every model
+    when fp16's own baseline is a sample log (`base_eval`'s not_measured). Otherwise a checkpoint's missing KL or
+    memory stays a failure."""
+    base_missing = ((base_eval or {}).get("not_measured") or {}).get("fidelity")
+    elsewhere = (inputs.get("manifest") or {}).get("source") in ELSEWHERE
+    if not elsewhere and not base_missing:
         return {}
-    out = {"fidelity": "an lm-eval sample log (a team's, or the one evaluate wrote against an endpoint) holds no token "
-                       "distributions to compare with fp16's"}
-    if (memory_row or {}).get("status") == NOT_MEASURED:
+    out = {"fidelity": base_missing or "an lm-eval sample log (a team's, or the one evaluate wrote against an "
+                                       "endpoint) holds no token distributions to compare with fp16's"}
+    if elsewhere and (memory_row or {}).get("status") == NOT_MEASURED:
         out["memory"] = memory_row.get("reason") or "no model here"
-    return {check: {"reason": reason, "judged_elsewhere": check in judged_elsewhere} for check, reason in out.items()}
+    rows = {check: {"reason": reason, "judged_elsewhere": check in judged_elsewhere} for check, reason in out.items()}
+    if not elsewhere:  # a model evaluated here: nothing the team measured elsewhere stands in for it
+        rows["fidelity"]["remedy"] = "a model evaluated here can be measured only against fp16 evaluated here " \
+                                     "(baseline.source: here)"
+    return rows
 
 
 def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | None, memory: dict,
@@ -200,7 +208,7 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
     failure, unmeasured = _upstream_failure(inputs)
     mem_rows = memory.get("variants", {})
     mem = _memory_summary(mem_rows.get(name), mem_rows.get(BASELINE))
-    not_here = not_checked_here(inputs, mem_rows.get(name), judged_elsewhere or [])
+    not_here = not_checked_here(inputs, mem_rows.get(name), judged_elsewhere or [], (base_inputs or {}).get("eval"))
     row = {"kind": inputs.get("kind", "variant"), "memory": mem, "domains": {}}
     if not_here:  # where its evidence came from (the backend and arguments lm-eval recorded), for the report
         row["evidence"] = (inputs.get("manifest") or {}).get("evidence")
@@ -227,7 +235,11 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
         probe_unmeasured = _unmeasured(probe) if not failure and (probe or {}).get("status") != "ok" else None
         base_probe = ((base_inputs or {}).get("eval") or {}).get("probes", {}).get(domain)
         if not failure and not probe_unmeasured and (base_probe or {}).get("status") != "ok":
-            probe_unmeasured = _unmeasured(base_probe)  # fp16 could not be measured here: nothing to pair with
+            # fp16 could not be measured here, or its sample log cannot give the row: nothing to pair with
+            probe_unmeasured = _unmeasured(base_probe) or ({
+                "reason": (base_probe or {}).get("reason") or "fp16's sample log has no answers on this row",
+                "remedy": "give fp16's log this row's task and items (docs/evaluate.md, \"The baseline from a sample "
+                          "log\")"} if ((base_inputs or {}).get("eval") or {}).get("baseline") else None)
         if not failure and (probe is None or probe.get("status") != "ok") and not probe_unmeasured:
             reasons.append(f"probe not run: {(probe or {}).get('reason', 'missing')}")
         if reasons:
@@ -272,6 +284,8 @@ def compare_all(variants: list[str], candidates: list[str], plans: dict[str, dic
         base_failure = f"fp16's memory soak gave no growth rate ({base_mem.get('oom') or 'too few rounds'})"
     baseline = {"status": "failed" if base_failure else "ok", "error": base_failure,
                 "memory": _memory_summary(base_mem, base_mem), "accuracy": {}}
+    if (inputs[BASELINE]["eval"] or {}).get("evidence"):  # fp16's answers from its sample log (baseline_log.py)
+        baseline["evidence"] = inputs[BASELINE]["eval"]["evidence"]
     if not base_failure:
         for domain in plans:
             rows = by_id(inputs[BASELINE]["items"], domain)

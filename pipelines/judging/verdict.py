@@ -68,8 +68,9 @@ def not_here_lines(not_here: dict | None, judged_elsewhere: bool) -> list[str]:
         what = NOT_HERE.get(check, (check,))[0]
         lines.append(f"{what} not measured here ({row.get('reason')}): judged elsewhere, as the candidate's "
                      f"judged_elsewhere declares" if judged_elsewhere else
-                     f"{what} not measured here ({row.get('reason')}): inconclusive until it is, or until the "
-                     f"candidate's judged_elsewhere in params.yaml lists {check!r} (measured by the team elsewhere)")
+                     f"{what} not measured here ({row.get('reason')}): inconclusive until it is"
+                     + (f"; {row['remedy']}" if row.get("remedy") else ", or until the candidate's judged_elsewhere in "
+                        f"params.yaml lists {check!r} (measured by the team elsewhere)"))
     return lines
 
 
