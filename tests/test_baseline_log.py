@@ -13,6 +13,7 @@ from pipelines.core.errors import QuantgateError
 from pipelines.core.io import read_json, write_json
 from pipelines.evaluation import baseline_log, sample_logs
 from pipelines.evaluation.plans import by_id
+from pipelines.gate import render_report
 from pipelines.judging import comparison
 from tests.conftest import ROOT
 from tests.handmade import correctness as answers_of
@@ -139,6 +140,7 @@ def test_with_fp16_from_a_log_kl_is_not_measured_for_any_model(tmp_path):
                           "not_measured": {"fidelity": baseline_log.NO_DISTRIBUTIONS}})
     base = read_json(tmp_path / "results/eval/fp16.json")
     base["baseline"] = {"source": "samples", "path": "/logs/fp16"}
+    base["evidence"] = {"backend": "vllm", "model_args": "pretrained=org/model-70b", "lm_eval_version": "0.4.13"}
     base["probes"]["code"] = {"task": "quantgate_code", "status": "refused", "items": 0,
                               "reason": "fp16's sample log cannot give this row: no samples_quantgate_code_<date>.jsonl"}
     write_json(tmp_path / "results/eval/fp16.json", base)
@@ -149,6 +151,8 @@ def test_with_fp16_from_a_log_kl_is_not_measured_for_any_model(tmp_path):
     assert any("KL not measured here" in r and "only against fp16 evaluated here" in r for r in math["reasons"])
     assert code["verdict"] == "inconclusive", code["reasons"]  # fp16's gap, not the variant's failure
     assert any("no samples_quantgate_code" in r and "give fp16's log this row's task" in r for r in code["reasons"])
+    said = render_report({"verdict": "undecided", "gated": ["int8"], "reasons": []}, report, None)
+    assert "- fp16 (the baseline): lm-eval sample log, backend `vllm`, model_args `pretrained=org/model-70b`" in said
 
 
 def test_the_baseline_section_says_where_fp16s_answers_come_from():

@@ -91,7 +91,11 @@ def task_samples(log: SampleLog, plan: dict, task: str, wanted_filter: str | Non
     if str(version) != str(version_here):
         raise QuantgateError(f"{log.results_file}: versions.{task} is {version!r}, {whose} {version_here!r}: another "
                              "task definition does not pair")
-    logged, mine = (log.results.get("configs") or {}).get(task) or {}, here.dump_config()
+    logged, mine = dict((log.results.get("configs") or {}).get(task) or {}), here.dump_config()
+    engine = (log.results.get("config") or {}).get("gen_kwargs")  # an endpoint's request_fields (read_log checked)
+    if isinstance(engine, dict) and isinstance(logged.get("generation_kwargs"), dict):  # lm-eval merges them in
+        logged["generation_kwargs"] = {k: v for k, v in logged["generation_kwargs"].items()
+                                       if k not in engine or k in (mine.get("generation_kwargs") or {})}
     for key in SETTINGS:  # prompt_hash covers the prompt only: how it was answered and scored is the config's
         if _setting(logged, key) != _setting(mine, key):
             raise QuantgateError(f"{log.results_file}: configs.{task}.{key} is {logged.get(key)!r}, the task here has "
