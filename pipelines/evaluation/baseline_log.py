@@ -22,7 +22,6 @@ from pipelines.evaluation import log_records, sample_logs
 from pipelines.evaluation.plans import row_of
 
 SOURCE = sample_logs.SOURCE
-LOG_COPY = "samples"  # results/baseline/samples/: the log the records came from, copied with the records
 NO_DISTRIBUTIONS = ("fp16's baseline is an lm-eval sample log (baseline.source: samples): it holds no token "
                     "distributions to compare with (KL, top-1 agreement)")
 
