@@ -24,6 +24,34 @@ TINY_REFERENCE = {
 }
 
 
+# ---- the tiers (docs/testing.md): a test is in the quick tier unless it needs one of these. A fixture that starts one
+# marks every test that uses it, so a new test lands in the right tier without anyone remembering to mark it; a test
+# that starts one itself carries the marker. Keys are module:fixture, so another module's fixture of the same name
+# (a cheap one) is not taken for these.
+HEAVY = ("e2e", "ray", "server", "browser")
+TIER_OF_FIXTURE = {
+    "tests.conftest:pipeline_run": ("e2e",),  # the whole pipeline, twice (below)
+    "tests.conftest:small_sequential": ("e2e",),  # the fan-out tests' small repository's `dvc repro` (below)
+    "tests.test_fanout:ray_cluster": ("ray",),
+    "tests.test_fanout:sequential_and_fanned": ("ray", "e2e"),
+    "tests.test_repro:sequential_and_repro": ("ray", "e2e"),  # asks for small_sequential by getfixturevalue
+    "tests.test_endpoints:served": ("server",),  # llama.cpp's OpenAI-compatible server
+    "tests.test_mlflow_server:server": ("server",),  # MLflow's server on PostgreSQL
+    "tests.test_record:server": ("server",),  # MLflow's server on SQLite
+    "tests.test_mlflow_ui:two_pipelines": ("browser",),  # Chromium on the MLflow UI
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for name in item.fixturenames:
+            for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+                for marker in TIER_OF_FIXTURE.get(f"{fixturedef.func.__module__}:{name}", ()):
+                    item.add_marker(marker)
+        if not any(item.get_closest_marker(name) for name in HEAVY):
+            item.add_marker("quick")
+
+
 @pytest.fixture(autouse=True)
 def _repo_root(monkeypatch):
     """Stages resolve shipped sources relative to the repository root, as `dvc repro` runs them."""
@@ -282,3 +310,26 @@ def pipeline_run(tmp_path_factory):
         assert first.returncode == 0, first.stdout + first.stderr
         second = dvc(["repro"], repo)
         yield repo, first, second
+
+
+# ---- `dvc repro` of the fan-out tests' small repository, ONCE per session: tests/test_fanout.py and
+# tests/test_repro.py each compare their own run (quantgate fanout, quantgate repro) against it
+@pytest.fixture(scope="session")
+def small_sequential(tmp_path_factory):
+    from tests.chain_helpers import SMALL_VARIANTS, run, small_repo, tool
+
+    seq = small_repo(tmp_path_factory.mktemp("sequential"), SMALL_VARIANTS)
+    done = run([tool("dvc"), "repro"], seq)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return seq
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_token_removed_after():
+    """The fan-out tests' Ray token (tests/chain_helpers.py) goes with the session, whichever test made it last."""
+    yield
+    import shutil
+
+    from tests.chain_helpers import TOKEN
+
+    shutil.rmtree(TOKEN.parent, ignore_errors=True)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from pipelines.checkpoints import admission, tensors
+from pipelines.checkpoints import admission, context, tensors
 from pipelines.checkpoints.shards import INDEX
 from pipelines.core.paths import MANIFEST
 from pipelines.models.loading import load_variant
@@ -159,4 +159,6 @@ def test_a_check_is_one_function_added_to_a_group(direct_checkpoints, tiny_model
     assert "config.json" in seen[0] and "notes" in report and "method" not in report  # no later group ran
     monkeypatch.setattr(admission, "PHASE_1", [[("the tidiness", lambda c: 1 / 0)]])
     assert admission.validate(direct_checkpoints["gptq"], str(tiny_model))["reasons"] == [
-        "admission could not check the tidiness: ZeroDivisionError: division by zero"]
+        "admission could not check the tidiness: ZeroDivisionError: division by zero"] == [
+        context.could_not_check("the tidiness", ZeroDivisionError("division by zero"))]
+

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pipelines.checkpoints import admission
+from pipelines.checkpoints import admission, quant_config
 from pipelines.core import logs
 from tests.checkpoint_helpers import broken_copy, edit_config, reasons_of
 
@@ -175,3 +175,13 @@ def test_awq_settings_only_in_a_side_file_fail(tmp_path, direct_checkpoints, tin
     assert reasons_of(bad, tiny_model) == [
         "quant_config.json: quant_method 'awq', but config.json has no quantization_config (transformers would "
         "load the packed tensors as an unquantized model)"]
+
+
+def test_settings_come_from_the_config_the_loader_reads_and_every_copy_must_agree():
+    awq = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
+    assert quant_config.quant_settings({"quantization_config": awq}, {}) == (
+        {"method": "awq", "bits": 4, "group_size": 64, "checkpoint_format": "gemm"}, [])
+    assert quant_config.quant_settings({}, {})[0]["method"] == "none"  # no quantization config: an unquantized model
+    assert quant_config.quant_settings({"quantization_config": awq}, {"quant_config.json": {**awq, "bits": 3}}) == (
+        {}, ["config.json quantization_config: bits 4, but quant_config.json says bits 3 (the loaders read different "
+             "files; they must agree)"])

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from pipelines.checkpoints import admission
+from pipelines.checkpoints import admission, tokenizer
 from tests.checkpoint_helpers import broken_copy, edit_config, reasons_of
 
 
@@ -65,3 +65,9 @@ def test_tokenizer_longer_than_vocab_fails(tmp_path, direct_checkpoints, tiny_mo
          "normalized": False, "special": True}), name="tokenizer.json")
     assert reasons_of(bad, tiny_model) == [
         "tokenizer.json: token ids reach 512, past config.json vocab_size 512 (those tokens have no embedding row)"]
+
+
+def test_reasons_name_the_tokenizer_files_the_checkpoint_has():
+    assert tokenizer.tokenizer_files({"model.safetensors": "a", "tokenizer.json": "b", "merges.txt": "c"}) == \
+        "tokenizer.json, merges.txt"
+    assert tokenizer.tokenizer_files({"model.safetensors": "a"}) == "the tokenizer files"

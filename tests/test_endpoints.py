@@ -174,3 +174,16 @@ def test_endpoint_params_refuse_a_key_in_params_and_a_missing_address():
                        "the key itself never goes in")]:
         with pytest.raises(ValidationError, match=re.escape(said)):
             CandidateParams(**bad)
+
+
+def test_a_dead_address_or_a_missing_key_is_the_checks_problem_and_a_key_never_shows(monkeypatch):
+    """What admit and the doctor get back without a server (the ones above run against llama.cpp's)."""
+    dead = {"base_url": f"http://127.0.0.1:{free_port()}/v1", "model": "m", "timeout_s": 5}
+    got = endpoints.check(dead)
+    assert got["reachable"] is False and got["problem"].startswith(f"{dead['base_url']}/models: unreachable")
+    keyed = {**dead, "api_key_env": "QG_TEST_KEY"}
+    monkeypatch.delenv("QG_TEST_KEY", raising=False)
+    assert "environment variable QG_TEST_KEY is not set" in endpoints.check(keyed)["problem"]
+    monkeypatch.setenv("QG_TEST_KEY", "s3cret")
+    said = endpoints.scrubbed("headers={'Authorization': 'Bearer s3cret'} url=http://h/?k=s3cret", keyed)
+    assert "s3cret" not in said and said.count("<redacted>") == 2

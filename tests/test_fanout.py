@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,6 +18,7 @@ from pipelines.chains import tasks
 from pipelines.core import ray_auth
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params import Params
+from tests.chain_helpers import SMALL_VARIANTS, env, free_port, raylets, records, run, small_repo, tool, verdicts
 from tests.conftest import ROOT
 
 
@@ -146,42 +144,6 @@ def test_the_driver_needs_token_auth_and_a_local_cluster_gets_a_private_token(tm
 # On a real two-node Ray cluster (two raylets on this machine, one CPU each)
 # ------------------------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def tool(name: str) -> str:
-    return str(Path(sys.executable).with_name(name))
-
-
-TOKEN = Path(tempfile.gettempdir()) / f"ray-qg-token-{os.getpid()}" / "auth_token"  # the clusters' token, 0600
-
-
-@pytest.fixture(scope="module", autouse=True)
-def token_removed_after():
-    yield
-    shutil.rmtree(TOKEN.parent, ignore_errors=True)
-
-
-def env() -> dict:
-    """Every node and driver with Ray's token authentication, as docs/fanout.md says to run a cluster."""
-    if not TOKEN.is_file():
-        TOKEN.parent.mkdir(mode=0o700, exist_ok=True)
-        with os.fdopen(os.open(TOKEN, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            f.write(secrets.token_hex(32))
-    out = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(TOKEN)}
-    for name in ("MLFLOW_TRACKING_URI", "OMP_NUM_THREADS", "OMP_WAIT_POLICY", "RAY_AUTH_TOKEN"):  # the copies' own
-        out.pop(name, None)
-    return out
-
-
-def raylets() -> list[str]:
-    return subprocess.run(["pgrep", "-f", "raylet"], capture_output=True, text=True).stdout.split()
-
-
 @pytest.fixture(scope="module")
 def ray_cluster():
     """`ray start --head` and `ray start --address` (a second node), as a team starts a cluster; stopped after,
@@ -205,36 +167,10 @@ def ray_cluster():
     assert not raylets(), "ray stop left a raylet running"
 
 
-def small_repo(dest: Path, variants: list[str], **fanout_settings) -> Path:
-    """A copy of the repository with the end-to-end test's small settings, judged on accuracy alone: memory limits
-    as wide as params.yaml's bounds allow (growth up to the minimum saving, a 5 % leak), so that two stages
-    measuring side by side on two cores do not flip a verdict."""
-    from tests.pipeline_e2e_helpers import repo_copy
-
-    repo = repo_copy(dest)
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["calibration"].update(samples=64, max_tokens=96)
-    params["evaluate"].update(look_items=20, max_items=40, fidelity_texts=16)
-    params["compare"]["policy"]["default"].update(max_accuracy_drop=0.25, max_growth_excess_pct=10.0)
-    params["memory"].update(seq_fractions=[0.5, 1.0], warmup_rounds=1, rounds=10, max_rounds=10, tail_rounds=6,
-                            alternations=2, burst_size=2, leak_tolerance_pct=5.0)
-    params["variants"] = {name: params["variants"][name] for name in variants}
-    params["fanout"].update(fanout_settings)
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))
-    return repo
-
-
-def run(args: list[str], repo: Path, timeout: int = 1800) -> subprocess.CompletedProcess:
-    return subprocess.run(args, cwd=repo, env=env(), capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.fixture(scope="module")
-def sequential_and_fanned(tmp_path_factory, ray_cluster):
-    variants = ["fp16", "int8", "awq4", "gptq3"]
-    seq = small_repo(tmp_path_factory.mktemp("sequential"), variants)
-    fan = small_repo(tmp_path_factory.mktemp("fanned"), variants)
-    sequential = run([tool("dvc"), "repro"], seq)
-    assert sequential.returncode == 0, sequential.stdout[-3000:] + sequential.stderr[-3000:]
+def sequential_and_fanned(tmp_path_factory, ray_cluster, small_sequential):
+    seq = small_sequential  # `dvc repro` of the same small repository, shared with tests/test_repro.py
+    fan = small_repo(tmp_path_factory.mktemp("fanned"), SMALL_VARIANTS)
     fanned = run([tool("quantgate"), "fanout", "--address", ray_cluster, "--report", "fanout.json"], fan)
     assert fanned.returncode == 0, fanned.stdout[-3000:] + fanned.stderr[-3000:]
     rest = run([tool("dvc"), "repro"], fan)
@@ -242,30 +178,16 @@ def sequential_and_fanned(tmp_path_factory, ray_cluster):
     return seq, fan, json.loads((fan / "fanout.json").read_text()), rest
 
 
-def records(repo: Path) -> dict:
-    out = {}
-    for path in sorted((repo / "results" / "eval").glob("*/items.jsonl")):
-        out[path.parent.name] = [json.loads(line) for line in path.read_text().splitlines()]
-    return out
-
-
-def verdicts(repo: Path) -> dict:
-    report = json.loads((repo / "results" / "compare.json").read_text())
-    return {(name, domain): (row["verdict"], (row.get("paired") or {}).get("items"),
-                             (row.get("paired") or {}).get("difference"), (row.get("paired") or {}).get("ci_low"))
-            for name, v in report["variants"].items() for domain, row in v["domains"].items()}
-
-
 def test_fanout_gives_the_same_records_and_verdicts_as_dvc_repro(sequential_and_fanned):
     seq, fan, report, _ = sequential_and_fanned
-    assert records(fan) == records(seq) and len(records(seq)) == 4
+    assert records(fan) == records(seq) and len(records(seq)) == len(SMALL_VARIANTS)
     assert verdicts(fan) == verdicts(seq)
     assert (fan / "results/baseline/items.jsonl").read_text() == (seq / "results/baseline/items.jsonl").read_text()
 
 
 def test_fanout_spreads_the_chains_over_both_nodes_and_dvc_records_them(sequential_and_fanned):
     _, fan, report, rest = sequential_and_fanned
-    expected = {f"{k}@{v}" for k in ("quantize", "memory", "evaluate") for v in ("fp16", "int8", "awq4", "gptq3")}
+    expected = {f"{k}@{v}" for k in ("quantize", "memory", "evaluate") for v in SMALL_VARIANTS}
     assert set(report["ran"]) == expected | {"baseline"} and report["failed"] == {}
     assert set(report["committed"]) == set(report["ran"])
     assert len({row["node"] for row in report["ran"].values()}) == 2  # both nodes took tasks
@@ -358,10 +280,8 @@ def stop_cluster_in(temp: Path) -> None:
     shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_fanout_refuses_ray_without_token_auth_unless_insecure(tmp_path):
-    """Refused before anything runs: a driver told RAY_AUTH_MODE=disabled, a driver with no token, and a cluster that
-    answers a request without a token (started with RAY_AUTH_MODE=disabled, which a token-sending driver would
-    join); `--insecure` connects to that cluster."""
+def test_fanout_without_token_auth_is_refused_before_it_reaches_a_cluster(tmp_path):
+    """A driver told RAY_AUTH_MODE=disabled, and a driver with no token: `quantgate fanout` stops naming why."""
     repo = small_repo(tmp_path / "repo", ["fp16", "int8"])
     driver = {**env(), "RAY_AUTH_MODE": "disabled"}
     said = subprocess.run([tool("quantgate"), "fanout", "--address", "127.0.0.1:1"], cwd=repo, env=driver,
@@ -372,7 +292,14 @@ def test_fanout_refuses_ray_without_token_auth_unless_insecure(tmp_path):
     said = subprocess.run([tool("quantgate"), "fanout", "--address", "127.0.0.1:1"], cwd=repo, env=no_token,
                           capture_output=True, text=True, timeout=300)
     assert said.returncode != 0 and "no Ray token here" in said.stderr, said.stderr
+    assert not (repo / "models").exists()  # nothing ran
 
+
+@pytest.mark.ray  # starts a Ray head of its own
+def test_fanout_refuses_a_cluster_without_token_auth_unless_insecure(tmp_path):
+    """A cluster that answers a request without a token (started with RAY_AUTH_MODE=disabled, which a token-sending
+    driver would join) is refused before anything runs; `--insecure` connects to it."""
+    repo = small_repo(tmp_path / "repo", ["fp16", "int8"])
     port, temp = free_port(), Path(f"/tmp/ray-qg-open-{os.getpid()}")
     began = time.monotonic()
     head = subprocess.run([tool("ray"), "start", "--head", f"--port={port}", "--include-dashboard=false",

@@ -8,6 +8,7 @@ import yaml
 from pipelines import route
 from pipelines.core.params_sections import CompareParams, FleetParams, RouteParams
 from pipelines.routing import fleet as F
+from pipelines.routing import plots as fleet_plots
 from pipelines.routing.rollout import build_plan
 from pipelines.routing.router import Router
 from pipelines.routing.semantic_router import guard, router_config, write_router_config
@@ -336,3 +337,13 @@ def test_no_request_quantgate_keeps_on_fp16_reaches_a_quantized_variant(tmp_path
     # the guard narrows: a chat request whose text has no mark of conversation stays on fp16
     chat = metadata({"domain": "chat", "max_context_tokens": 64}, table["dvc_lock_sha256"])
     assert decide(config, chat, set()) == "fp16" and decide(config, chat, {"chat-talk"}) == "awq4"
+
+
+def test_the_fleet_chart_draws_the_curve_and_each_priced_alternative(tmp_path):
+    plan = {"by_deployments": [{"deployments": 1, "saving_pct": 0.0}, {"deployments": 2, "saving_pct": 31.5},
+                               {"deployments": 3, "saving_pct": None}],
+            "alternatives": [{"plan": "fp16 only", "deployed": ["fp16"], "deployments": 1, "saving_pct": 0.0},
+                             {"plan": "chosen", "deployed": ["fp16", "int8"], "deployments": 2, "saving_pct": 31.5},
+                             {"plan": "unpriced", "deployed": ["fp16", "x"], "deployments": 2, "saving_pct": None}]}
+    png = fleet_plots.fleet_plot(plan, tmp_path / "fleet.png")
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 1000

@@ -8,6 +8,7 @@ import pytest
 
 from pipelines import reference
 from pipelines.core.io import sha256_file
+from pipelines.models import training
 from pipelines.models.skills import greedy_exact_match
 from pipelines.text import synthetic
 from pipelines.text.corpus import build_corpus
@@ -124,3 +125,12 @@ def test_shipped_weights_are_used_only_for_their_own_recipe(tmp_path, tiny_param
     with pytest.raises(QuantgateError, match="extra.py: is not one of the files"):
         reference.from_shipped(tiny_params, tmp_path / "again", tmp_path / "r2.json", shipped)
     assert not (tmp_path / "again").exists()
+
+
+def test_training_batches_pack_every_document_in_a_seeded_order():
+    docs = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    first = [b.tolist() for b in training.batches(docs, seq_len=3, batch_size=2, steps=3, seed=1)]
+    assert first == [b.tolist() for b in training.batches(docs, seq_len=3, batch_size=2, steps=3, seed=1)]
+    assert first != [b.tolist() for b in training.batches(docs, seq_len=3, batch_size=2, steps=3, seed=2)]
+    flat = [t for b in first for row in b for t in row]
+    assert len(flat) == 18 and sorted(flat[:9]) == list(range(1, 10))  # one epoch: every document once

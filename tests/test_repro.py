@@ -14,9 +14,8 @@ import pytest
 
 from pipelines import repro
 from tests.conftest import ROOT
-from tests.test_fanout import raylets, records, run, small_repo, tool, verdicts
-
-VARIANTS = ["fp16", "int8", "awq4"]
+from tests.chain_helpers import SMALL_VARIANTS as VARIANTS
+from tests.chain_helpers import raylets, records, run, small_repo, tool, verdicts
 
 
 def test_one_core_or_no_ray_or_the_flag_means_plain_dvc_repro_and_the_reason_is_given(monkeypatch):
@@ -46,6 +45,7 @@ LOCAL_CLUSTER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.ray  # starts quantgate repro's private local cluster
 def test_the_local_cluster_listens_on_loopback_only_requires_its_token_and_stops_with_the_run():
     done = subprocess.run([sys.executable, "-c", LOCAL_CLUSTER], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={"PATH": "/usr/bin:/bin", "HOME": str(ROOT / ".pytest_cache"), "RAY_USAGE_STATS_ENABLED": "0"})
@@ -59,14 +59,12 @@ def test_the_local_cluster_listens_on_loopback_only_requires_its_token_and_stops
 
 
 @pytest.fixture(scope="module")
-def sequential_and_repro(tmp_path_factory):
+def sequential_and_repro(tmp_path_factory, request):
     if GPU_HERE:
         pytest.skip("a GPU here: with fanout.gpus 0 quantgate repro runs plain dvc repro (tested by monkeypatching)")
-    seq = small_repo(tmp_path_factory.mktemp("sequential"), VARIANTS)
+    seq = request.getfixturevalue("small_sequential")  # `dvc repro` of the same small repository (conftest.py)
     par = small_repo(tmp_path_factory.mktemp("repro"), VARIANTS)
     before = set(raylets())
-    sequential = run([tool("dvc"), "repro"], seq)
-    assert sequential.returncode == 0, sequential.stdout[-3000:] + sequential.stderr[-3000:]
     parallel = run([tool("quantgate"), "repro"], par)
     assert parallel.returncode == 0, parallel.stdout[-3000:] + parallel.stderr[-3000:]
     assert set(raylets()) <= before, "quantgate repro left its Ray cluster running"

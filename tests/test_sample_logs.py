@@ -13,7 +13,7 @@ import pytest
 
 from pipelines.core.errors import QuantgateError
 from pipelines.core.io import read_json, write_json
-from pipelines.evaluation import sample_logs
+from pipelines.evaluation import log_records, sample_logs
 from pipelines.evaluation.plans import by_id
 from pipelines.judging import comparison
 from pipelines.judging.verdict import KEY_NUMBERS, check_row
@@ -240,3 +240,10 @@ def _params(judged: dict[str, list[str]]):
     from pipelines.core.params import Params
 
     return Params(candidates={n: {"path": "logs", "source": "samples", "judged_elsewhere": j} for n, j in judged.items()})
+
+
+def test_doc_hash_is_the_one_the_real_lm_eval_logs_beside_each_doc(log_evidence):
+    rows = [json.loads(line) for path in sorted(Path(log_evidence["logs"]["int8"]).rglob("samples_*.jsonl"))
+            for line in path.read_text().splitlines()]
+    assert len(rows) > 20 and all(log_records.doc_hash(row["doc"]) == row["doc_hash"] for row in rows)
+    assert log_records.doc_hash({**rows[0]["doc"], "edited": 1}) != rows[0]["doc_hash"]

@@ -14,6 +14,7 @@ from pipelines import shadow
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params import Params
 from pipelines.replay import agreement, traffic
+from pipelines.replay import plots as replay_plots
 
 EMAIL = "alice.smith@example.org"
 REQUESTS = [
@@ -295,3 +296,24 @@ def test_a_types_outcome_is_its_own_reference_or_else_math_s_final_number():
     assert cells["math"]["all"]["outcome"]["share"] == 0.5  # 4 = 4, 7 != 8
     assert cells["chat"]["all"]["outcome"]["kind"] == "reference"
     assert (cells["chat"]["all"]["outcome"]["fp16_correct"], cells["chat"]["all"]["outcome"]["variant_correct"]) == (1.0, 0.0)
+
+
+def test_the_replays_charts_draw_agreement_and_latency_and_an_empty_replay(tmp_path):
+    report = {"models": {"int8": {"agreement": {"math": {"all": {"exact": {"share": 0.9}}}}}, "fp16": {}}}
+    timings = {"fp16": {"ttft_ms": [3.0, 1.0, 2.0], "tpot_ms": [0.5]}, "int8": {"ttft_ms": [], "tpot_ms": [0.7]}}
+    drawn = [replay_plots.agreement_chart(tmp_path / "a.png", report),
+             replay_plots.agreement_chart(tmp_path / "none.png", {"models": {}}),  # nothing replayed: a chart saying so
+             replay_plots.latency_chart(tmp_path / "l.png", timings)]
+    assert [p.name for p in drawn] == ["a.png", "none.png", "l.png"]
+    assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 1000 for p in drawn)
+
+
+def test_the_engine_answers_greedily_the_same_for_a_copy_and_otherwise_for_a_noisy_one(variants):
+    """engine.replay in this process (the stage runs it in a child): greedy, so the same weights answer the same."""
+    from pipelines.replay import engine
+
+    batches = [[[1, 5, 9, 13]], [[1, 7, 7, 2], [1, 8, 3, 4]]]
+    fp16 = engine.replay(str(variants / "fp16"), batches, 6, "cpu", 1)
+    assert len(fp16["answers"]) == 3 and all(0 < len(a) <= 6 for a in fp16["answers"])
+    assert engine.replay(str(variants / "same"), batches, 6, "cpu", 1)["answers"] == fp16["answers"]
+    assert engine.replay(str(variants / "noisy"), batches, 6, "cpu", 1)["answers"] != fp16["answers"]

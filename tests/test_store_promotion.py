@@ -7,7 +7,8 @@ from mlflow import MlflowClient
 
 from pipelines import cli, record
 from pipelines.core.io import sha256_file, write_json
-from pipelines.store import registry
+from pipelines.core.params import Params
+from pipelines.store import promotion, registry
 from tests.handmade import correctness, write_pipeline
 from tests.store_helpers import N, answers, run_gate, stored_checkpoint, write_recordable
 
@@ -105,3 +106,9 @@ def test_promotion_after_the_workspace_is_overwritten_promotes_the_stored_bytes(
     assert cli.main(["fetch", "production", "--dest", str(repo / "prod")]) == 0
     assert (repo / "prod/model.safetensors").read_bytes() == gated
     assert summary["registered"] == [{"variant": "int8", "version": "1"}]
+
+
+def test_a_registry_without_a_candidate_version_promotes_nothing(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert promotion.promote_candidate(uri, "quantgate-reference", {"gated": ["int8"]}, Params(), "0" * 64) == {
+        "status": "refused", "detail": "no version of 'quantgate-reference' carries the alias 'candidate': run dvc repro"}

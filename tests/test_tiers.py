@@ -1,0 +1,143 @@
+"""The quick tier (`bash scripts/test.sh -m quick`, docs/testing.md): every test that needs no whole-pipeline run, Ray
+cluster, server or browser, and still a test of every module of pipelines/ (a module only the slow tests reach would
+break unseen by whoever runs the quick tier twenty times a day)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+from pipelines import cli
+from pipelines.core.lineage import _imported, _module_file
+from tests.conftest import ROOT
+
+
+def collected(marks: str) -> list[str]:
+    """The node ids `pytest -m <marks>` runs, as pytest itself selects them."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marks, "-p", "no:cacheprovider"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def _is_quantgate(node: ast.expr) -> bool:
+    """"quantgate", or tool("quantgate") (the console script beside this Python)."""
+    return (isinstance(node, ast.Constant) and node.value == "quantgate") or (
+        isinstance(node, ast.Call) and bool(node.args) and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value == "quantgate")
+
+
+def verbs_run(tree: ast.AST) -> set[str]:
+    """The entry modules of the CLI verbs code runs: `cli.main(["compare", ...])`, or a command line with
+    "quantgate" (or tool("quantgate")) just before the verb."""
+    found = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "main"
+                and getattr(node.func.value, "id", None) == "cli" and node.args and isinstance(node.args[0], ast.List)):
+            words = node.args[0].elts[:1]
+        elif isinstance(node, (ast.List, ast.Tuple)):
+            words = [b for a, b in zip(node.elts, node.elts[1:]) if _is_quantgate(a)]
+        else:
+            continue
+        found |= {cli.VERBS[w.value].split(":")[0] for w in words
+                  if isinstance(w, ast.Constant) and w.value in cli.VERBS}
+    return found
+
+
+class SourceFile:
+    """A module under tests/: its top-level definitions, and what each name its imports bind stands for."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        self.defs: dict[str, ast.AST] = {}  # function, class or assigned constant -> its node
+        self.bound: dict[str, tuple] = {}  # name -> ("module", pipelines module) or ("helper", tests file, name)
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                self.defs[node.name] = node
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    if isinstance(target, ast.Name):
+                        self.defs[target.id] = node
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "pipelines":
+                for a in node.names:
+                    sub = f"{node.module}.{a.name}"
+                    self.bound[a.asname or a.name] = ("module", sub if _module_file(sub, ROOT) else node.module)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
+                helper = ROOT.joinpath(*node.module.split(".")).with_suffix(".py")
+                for a in node.names:
+                    self.bound[a.asname or a.name] = ("helper", helper, a.name)
+
+
+@cache
+def source_file(path: Path) -> SourceFile:
+    return SourceFile(path)
+
+
+def reached(path: Path, name: str, seen: set | None = None) -> set[str]:
+    """The pipelines modules definition `name` of `path` reaches: what its body imports, names or runs as a CLI verb
+    or an isolated child's target, through the functions, constants and fixtures (its parameters) it uses, in its
+    file, in conftest.py and in the helpers under tests/ it imports."""
+    seen = set() if seen is None else seen
+    if (path, name) in seen:
+        return set()
+    seen.add((path, name))
+    here, conftest = source_file(path), source_file(ROOT / "tests" / "conftest.py")
+    node = here.defs.get(name) or conftest.defs.get(name)
+    if node is None:
+        return set()
+    home = path if name in here.defs else conftest.path
+    found = _imported([node], ROOT) | verbs_run(node)
+    used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    used |= {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}  # a test's parameters: its fixtures
+    for word in used - {name}:
+        binding = source_file(home).bound.get(word)
+        if binding and binding[0] == "module":
+            found.add(binding[1])
+        elif binding:
+            found |= reached(binding[1], binding[2], seen)
+        else:
+            found |= reached(home, word, seen)
+    return found
+
+
+def every_module() -> set[str]:
+    return {p.relative_to(ROOT).with_suffix("").as_posix().replace("/", ".") for p in (ROOT / "pipelines").rglob("*.py")
+            if p.name != "__init__.py"}
+
+
+def test_every_module_of_pipelines_is_reached_by_a_quick_test():
+    quick = collected("quick")
+    assert len(quick) > 500
+    tests = {(ROOT / node.split("::")[0], re.sub(r"\[.*$", "", node.split("::")[-1])) for node in quick}
+    modules = set().union(*(reached(path, name) for path, name in tests))
+    assert sorted(every_module() - modules) == []
+
+
+def test_only_what_a_test_uses_counts(tmp_path):
+    (tmp_path / "test_x.py").write_text(
+        "from pipelines import audit, compare\nfrom pipelines.core import io\nfrom tests.sample_log_helpers import P\n"
+        "PLAN = io.read_json\n"
+        "def helper():\n    run_isolated('pipelines.evaluation.harness:evaluate_variant')\n"
+        "def test_a(tmp_path):\n    helper(); compare.main(); P; PLAN\n"
+        "    subprocess.run([tool('quantgate'), 'route', 'lookup']); subprocess.run(['quantgate', '-v', 'shadow'])\n"
+        "def test_b():\n    audit.main()\n")
+    got = reached(tmp_path / "test_x.py", "test_a")
+    assert {"pipelines.evaluation.harness", "pipelines.compare", "pipelines.core.io", "pipelines.route",
+            "pipelines.core.params_sections"} <= got  # P is EvaluateParams(...) in the helper
+    assert "pipelines.audit" not in got and "pipelines.shadow" not in got  # test_b's; a flag came between
+
+
+def test_every_fixture_that_sets_a_tier_exists():
+    """A fixture renamed or moved would leave its tests in the quick tier, unseen."""
+    import importlib
+
+    from tests.conftest import TIER_OF_FIXTURE
+
+    for key in TIER_OF_FIXTURE:
+        module, name = key.split(":")
+        assert callable(getattr(importlib.import_module(module), name, None)), key
