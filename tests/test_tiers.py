@@ -78,10 +78,10 @@ def source_file(path: Path) -> SourceFile:
     return SourceFile(path)
 
 
-def reached(path: Path, name: str, seen: set | None = None) -> set[str]:
+def reached(path: Path, name: str, seen: set | None = None, nodes: list | None = None) -> set[str]:
     """The pipelines modules definition `name` of `path` reaches: what its body imports, names or runs as a CLI verb
     or an isolated child's target, through the functions, constants and fixtures (its parameters) it uses, in its
-    file, in conftest.py and in the helpers under tests/ it imports."""
+    file, in conftest.py and in the helpers under tests/ it imports. `nodes` collects those definitions."""
     seen = set() if seen is None else seen
     if (path, name) in seen:
         return set()
@@ -90,6 +90,8 @@ def reached(path: Path, name: str, seen: set | None = None) -> set[str]:
     node = here.defs.get(name) or conftest.defs.get(name)
     if node is None:
         return set()
+    if nodes is not None:
+        nodes.append(node)
     home = path if name in here.defs else conftest.path
     found = _imported([node], ROOT) | verbs_run(node)
     used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
@@ -99,9 +101,38 @@ def reached(path: Path, name: str, seen: set | None = None) -> set[str]:
         if binding and binding[0] == "module":
             found.add(binding[1])
         elif binding:
-            found |= reached(binding[1], binding[2], seen)
+            found |= reached(binding[1], binding[2], seen, nodes)
         else:
-            found |= reached(home, word, seen)
+            found |= reached(home, word, seen, nodes)
+    return found
+
+
+def _word(node: ast.expr) -> str | None:
+    """"ray", or tool("ray"): the word a command line starts with."""
+    if isinstance(node, ast.Call) and node.args:
+        node = node.args[0]
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def heavy_starts(node: ast.AST) -> set[str]:
+    """What in `node` starts something a quick test must not: a Ray node, llama.cpp's server, the MLflow server script,
+    Chromium, or a whole `dvc repro`."""
+    found = set()
+    for n in ast.walk(node):
+        called = isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", None)) in (
+            "run", "Popen", "check_call", "check_output")  # a command line run, not one compared with
+        if called and n.args and isinstance(n.args[0], (ast.List, ast.Tuple)):
+            line = n.args[0].elts
+            pairs = {(_word(a), _word(b)) for a, b in zip(line, line[1:])}
+            found |= {" ".join(p) for p in pairs & {("ray", "start"), ("dvc", "repro")}}
+        elif isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("serving", "sync_playwright"):
+            found.add(n.func.id)
+        elif isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("script", "dvc") and n.args and (
+                _word(n.args[0]) == "start" or (isinstance(n.args[0], ast.List) and n.args[0].elts
+                                               and _word(n.args[0].elts[0]) == "repro")):
+            found.add(f"{n.func.id} {'start' if _word(n.args[0]) == 'start' else 'repro'}")
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and "private_local_cluster()" in n.value:
+            found.add("a private Ray cluster")
     return found
 
 
@@ -110,12 +141,18 @@ def every_module() -> set[str]:
             if p.name != "__init__.py"}
 
 
-def test_every_module_of_pipelines_is_reached_by_a_quick_test():
+def test_every_module_of_pipelines_is_reached_by_a_quick_test_and_none_starts_what_the_other_tiers_need():
     quick = collected("quick")
     assert len(quick) > 500
     tests = {(ROOT / node.split("::")[0], re.sub(r"\[.*$", "", node.split("::")[-1])) for node in quick}
-    modules = set().union(*(reached(path, name) for path, name in tests))
+    modules, heavy = set(), {}
+    for path, name in sorted(tests):
+        nodes = []
+        modules |= reached(path, name, nodes=nodes)
+        if path.name != "test_tiers.py" and (starts := set().union(*(heavy_starts(n) for n in nodes))):
+            heavy[f"{path.name}::{name}"] = sorted(starts)
     assert sorted(every_module() - modules) == []
+    assert heavy == {}  # mark it (or use a fixture in conftest.TIER_OF_FIXTURE): it belongs to a slower tier
 
 
 def test_only_what_a_test_uses_counts(tmp_path):
@@ -130,6 +167,14 @@ def test_only_what_a_test_uses_counts(tmp_path):
     assert {"pipelines.evaluation.harness", "pipelines.compare", "pipelines.core.io", "pipelines.route",
             "pipelines.core.params_sections"} <= got  # P is EvaluateParams(...) in the helper
     assert "pipelines.audit" not in got and "pipelines.shadow" not in got  # test_b's; a flag came between
+
+
+def test_what_starts_a_cluster_a_server_a_browser_or_a_pipeline_is_seen():
+    code = ast.parse("subprocess.run([tool('ray'), 'start', '--head'])\nwith serving(f, 'm', log):\n    pass\n"
+                     "script('start', '--dir', d)\ndvc(['repro'], repo)\nrun([tool('dvc'), 'repro'], repo)\n"
+                     "CODE = 'ray_auth.private_local_cluster()'\nsubprocess.run([tool('ray'), 'stop'])\n"
+                     "script('stop')\ndvc(['status'], repo)\nassert argv == ['dvc', 'repro']\n")
+    assert heavy_starts(code) == {"ray start", "serving", "script start", "dvc repro", "a private Ray cluster"}
 
 
 def test_every_fixture_that_sets_a_tier_exists():
