@@ -13,13 +13,13 @@ from pathlib import Path
 
 from pipelines import cli
 from pipelines.core.lineage import _imported, _module_file
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TIER_OF_FIXTURE
 
 
 def collected(marks: str) -> list[str]:
     """The node ids `pytest -m <marks>` runs, as pytest itself selects them."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marks, "-p", "no:cacheprovider"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marks,
+                           "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [line for line in done.stdout.splitlines() if "::" in line]
 
@@ -56,7 +56,10 @@ class SourceFile:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         self.defs: dict[str, ast.AST] = {}  # function, class or assigned constant -> its node
         self.bound: dict[str, tuple] = {}  # name -> ("module", pipelines module) or ("helper", tests file, name)
+        self.autouse: list[str] = []  # fixtures every test of the file gets
         for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and "autouse=True" in "".join(map(ast.unparse, node.decorator_list)):
+                self.autouse.append(node.name)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 self.defs[node.name] = node
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
@@ -67,6 +70,13 @@ class SourceFile:
                 for a in node.names:
                     sub = f"{node.module}.{a.name}"
                     self.bound[a.asname or a.name] = ("module", sub if _module_file(sub, ROOT) else node.module)
+            elif isinstance(node, ast.Import):  # import pipelines.audit as aud
+                for a in node.names:
+                    if a.name.split(".")[0] == "pipelines":
+                        self.bound[a.asname or a.name] = ("module", a.name)
+            elif isinstance(node, ast.ImportFrom) and node.module == "tests":  # from tests import llama_server
+                for a in node.names:
+                    self.bound[a.asname or a.name] = ("helper", ROOT / "tests" / f"{a.name}.py", None)
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
                 helper = ROOT.joinpath(*node.module.split(".")).with_suffix(".py")
                 for a in node.names:
@@ -86,6 +96,8 @@ def reached(path: Path, name: str, seen: set | None = None, nodes: list | None =
     if (path, name) in seen:
         return set()
     seen.add((path, name))
+    if name is None:  # a whole helper module (`from tests import llama_server`): everything in it
+        return set().union(*(reached(path, n, seen, nodes) for n in source_file(path).defs))
     here, conftest = source_file(path), source_file(ROOT / "tests" / "conftest.py")
     node = here.defs.get(name) or conftest.defs.get(name)
     if node is None:
@@ -94,8 +106,13 @@ def reached(path: Path, name: str, seen: set | None = None, nodes: list | None =
         nodes.append(node)
     home = path if name in here.defs else conftest.path
     found = _imported([node], ROOT) | verbs_run(node)
-    used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-    used |= {n.arg for n in ast.walk(node) if isinstance(n, ast.arg)}  # a test's parameters: its fixtures
+    assigned = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - assigned
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):  # a test's or fixture's parameters: its fixtures
+        used |= {a.arg for a in node.args.args}
+    used |= {n.args[0].value for n in ast.walk(node)  # request.getfixturevalue("x"), @pytest.mark.usefixtures("x")
+             if isinstance(n, ast.Call) and getattr(n.func, "attr", None) in ("getfixturevalue", "usefixtures")
+             and n.args and isinstance(n.args[0], ast.Constant)}
     for word in used - {name}:
         binding = source_file(home).bound.get(word)
         if binding and binding[0] == "module":
@@ -108,8 +125,11 @@ def reached(path: Path, name: str, seen: set | None = None, nodes: list | None =
 
 
 def _word(node: ast.expr) -> str | None:
-    """"ray", or tool("ray"): the word a command line starts with."""
-    if isinstance(node, ast.Call) and node.args:
+    """"ray", tool("ray") or tasks.dvc_bin(): the word a command line starts with."""
+    if isinstance(node, ast.Call) and not node.args:
+        callee = getattr(node.func, "attr", getattr(node.func, "id", ""))
+        return callee.removesuffix("_bin") or None
+    if isinstance(node, ast.Call):
         node = node.args[0]
     return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
@@ -124,9 +144,10 @@ def heavy_starts(node: ast.AST) -> set[str]:
         if called and n.args and isinstance(n.args[0], (ast.List, ast.Tuple)):
             line = n.args[0].elts
             pairs = {(_word(a), _word(b)) for a, b in zip(line, line[1:])}
-            found |= {" ".join(p) for p in pairs & {("ray", "start"), ("dvc", "repro")}}
-        elif isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("serving", "sync_playwright"):
-            found.add(n.func.id)
+            found |= {" ".join(p) for p in pairs & {("ray", "start"), ("dvc", "repro"), ("quantgate", "repro")}}
+        elif isinstance(n, ast.Call) and (callee := getattr(n.func, "attr", getattr(n.func, "id", None))) in (
+                "serving", "sync_playwright"):  # llama_server.serving(...) too
+            found.add(callee)
         elif isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("script", "dvc") and n.args and (
                 _word(n.args[0]) == "start" or (isinstance(n.args[0], ast.List) and n.args[0].elts
                                                and _word(n.args[0].elts[0]) == "repro")):
@@ -149,6 +170,11 @@ def test_every_module_of_pipelines_is_reached_by_a_quick_test_and_none_starts_wh
     for path, name in sorted(tests):
         nodes = []
         modules |= reached(path, name, nodes=nodes)
+        for fixture in source_file(path).autouse:
+            modules |= reached(path, fixture, nodes=nodes)
+        assert nodes, f"{path.name}::{name}: not a top-level test function this check can follow"
+        slow_fixtures = {key.split(":")[1] for key in TIER_OF_FIXTURE} & {getattr(n, "name", None) for n in nodes}
+        assert not slow_fixtures, f"{path.name}::{name} reaches {slow_fixtures} without being marked"
         if path.name != "test_tiers.py" and (starts := set().union(*(heavy_starts(n) for n in nodes))):
             heavy[f"{path.name}::{name}"] = sorted(starts)
     assert sorted(every_module() - modules) == []
@@ -157,12 +183,16 @@ def test_every_module_of_pipelines_is_reached_by_a_quick_test_and_none_starts_wh
 
 def test_only_what_a_test_uses_counts(tmp_path):
     (tmp_path / "test_x.py").write_text(
-        "from pipelines import audit, compare\nfrom pipelines.core import io\nfrom tests.sample_log_helpers import P\n"
+        "from pipelines import audit, compare, memory_report\nfrom pipelines.core import io\n"
+        "from tests.sample_log_helpers import P\n"
         "PLAN = io.read_json\n"
         "def helper():\n    run_isolated('pipelines.evaluation.harness:evaluate_variant')\n"
         "def test_a(tmp_path):\n    helper(); compare.main(); P; PLAN\n"
         "    subprocess.run([tool('quantgate'), 'route', 'lookup']); subprocess.run(['quantgate', '-v', 'shadow'])\n"
-        "def test_b():\n    audit.main()\n")
+        "def test_b():\n    audit.main()\n"
+        "import pipelines.fetch as fetched\n@pytest.fixture\ndef made():\n    fetched.main\n"
+        "def test_c(request):\n    request.getfixturevalue('made'); memory_report = {}; memory_report.get('x')\n")
+    assert reached(tmp_path / "test_x.py", "test_c") == {"pipelines.fetch"}  # a local dict is not the stage
     got = reached(tmp_path / "test_x.py", "test_a")
     assert {"pipelines.evaluation.harness", "pipelines.compare", "pipelines.core.io", "pipelines.route",
             "pipelines.core.params_sections"} <= got  # P is EvaluateParams(...) in the helper
@@ -173,15 +203,16 @@ def test_what_starts_a_cluster_a_server_a_browser_or_a_pipeline_is_seen():
     code = ast.parse("subprocess.run([tool('ray'), 'start', '--head'])\nwith serving(f, 'm', log):\n    pass\n"
                      "script('start', '--dir', d)\ndvc(['repro'], repo)\nrun([tool('dvc'), 'repro'], repo)\n"
                      "CODE = 'ray_auth.private_local_cluster()'\nsubprocess.run([tool('ray'), 'stop'])\n"
-                     "script('stop')\ndvc(['status'], repo)\nassert argv == ['dvc', 'repro']\n")
-    assert heavy_starts(code) == {"ray start", "serving", "script start", "dvc repro", "a private Ray cluster"}
+                     "script('stop')\ndvc(['status'], repo)\nassert argv == ['dvc', 'repro']\n"
+                     "llama_server.serving(f)\nsubprocess.run([tasks.dvc_bin(), 'repro'])\n"
+                     "subprocess.run([tool('quantgate'), 'repro'])\n")
+    assert heavy_starts(code) == {"ray start", "serving", "script start", "dvc repro", "a private Ray cluster",
+                                  "quantgate repro"}
 
 
 def test_every_fixture_that_sets_a_tier_exists():
     """A fixture renamed or moved would leave its tests in the quick tier, unseen."""
     import importlib
-
-    from tests.conftest import TIER_OF_FIXTURE
 
     for key in TIER_OF_FIXTURE:
         module, name = key.split(":")
