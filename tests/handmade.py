@@ -60,6 +60,17 @@ def write_model(root: Path, name: str, answers: dict[str, list[bool]], *, kl: di
                {"variant": name, "device": "cpu", "batch_size": 16, "status": "ok", "probes": probes, "fidelity": fidelity})
 
 
+def measured_memory(footprint: int, per_round: float, rounds: int = 0) -> dict:
+    """results/memory/<name>.json as the memory stage writes it, cut to what memory-report and its charts read."""
+    return {"status": "ok", "device": "cpu", "load": {"footprint_bytes": footprint, "theoretical_weight_bytes": 1},
+            "sweep": {"lengths": [{"tokens": 8, "decode_peak_increase": 5}], "fitted_bytes_per_token": 1.0,
+                      "theoretical_kv_bytes_per_token": 1},
+            "soak": {"growth_bytes_per_round": per_round, "fragmentation": {"one_minus_allocated_over_reserved": 0.1},
+                     "rounds": [{"round": n, "allocated": 1000} for n in range(rounds)], "signal": "allocated",
+                     "requests_per_round": 8},
+            "leak": {"leak": False}}
+
+
 def memory_row(name: str, *, growth_excess_pct: float = 0.0, leak: bool = False, oom: str | None = None) -> dict:
     base = FOOTPRINT["fp16"]
     return {"status": "ok", "device": "cpu", "footprint_bytes": FOOTPRINT[name], "theoretical_weight_bytes": FOOTPRINT[name],

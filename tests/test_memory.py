@@ -11,6 +11,7 @@ from pipelines import memory
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params_sections import MemoryParams
 from pipelines.measure import growth, phases, plots, probes, verdict
+from tests.handmade import measured_memory
 
 FAST = MemoryParams(seq_fractions=[0.25, 0.5, 1.0], warmup_rounds=1, rounds=10, max_rounds=24, tail_rounds=6,
                     alternations=2, burst_size=2)
@@ -137,14 +138,7 @@ def test_failed_variant_is_recorded(tmp_path):
 def test_summary_sets_growth_against_fp16(tmp_path):
     p = MemoryParams(rounds=10)
 
-    def result(footprint, per_round):
-        return {"status": "ok", "device": "cpu", "load": {"footprint_bytes": footprint, "theoretical_weight_bytes": 1},
-                "sweep": {"lengths": [{"tokens": 8, "decode_peak_increase": 5}], "fitted_bytes_per_token": 1.0,
-                          "theoretical_kv_bytes_per_token": 1},
-                "soak": {"growth_bytes_per_round": per_round, "fragmentation": {"one_minus_allocated_over_reserved": 0.1},
-                         "rounds": [], "signal": "allocated", "requests_per_round": 8},
-                "leak": {"leak": False}}
-
+    result = measured_memory  # no rounds: the summary reads the fitted growth, not the rounds
     summary = verdict.summarize({"fp16": result(100_000, 50), "gptq3": result(40_000, 500),
                                 "int8": {"status": "failed", "error": "x"}}, p)
     # (500 - 50) B/round x 10 rounds / fp16's 100 kB

@@ -14,7 +14,7 @@ from pipelines.core import plots as core_plots
 from pipelines.core.io import read_json, read_jsonl, write_json
 from pipelines.evaluation import console
 from pipelines.judging import plots
-from tests.handmade import correctness, write_pipeline
+from tests.handmade import correctness, measured_memory, write_pipeline
 
 N = 200
 
@@ -54,18 +54,8 @@ def test_compare_writes_the_verdicts_the_judging_gives_with_its_table_summary_an
 def test_memory_report_summarizes_what_each_variant_measured_and_names_a_missing_one(finished):
     root, _ = finished
 
-    def measured(footprint: int, per_round: float) -> dict:
-        return {"status": "ok", "device": "cpu", "load": {"footprint_bytes": footprint, "theoretical_weight_bytes": 1},
-                "sweep": {"lengths": [{"tokens": 8, "decode_peak_increase": 5}], "fitted_bytes_per_token": 1.0,
-                          "theoretical_kv_bytes_per_token": 1},
-                "soak": {"growth_bytes_per_round": per_round,
-                         "fragmentation": {"one_minus_allocated_over_reserved": 0.1},
-                         "rounds": [{"round": n, "allocated": 1000} for n in range(12)], "signal": "allocated",
-                         "requests_per_round": 8},
-                "leak": {"leak": False}}
-
-    write_json(root / "results/memory/fp16.json", measured(100_000, 0.0))
-    write_json(root / "results/memory/int8.json", measured(60_000, 0.0))
+    write_json(root / "results/memory/fp16.json", measured_memory(100_000, 0.0, rounds=12))
+    write_json(root / "results/memory/int8.json", measured_memory(60_000, 0.0, rounds=12))
     assert memory_report.main() == 0
     rows = read_json(root / "results/memory_summary.json")["variants"]
     assert rows["int8"]["status"] == "ok" and rows["int8"]["footprint_saving_pct"] == pytest.approx(40.0)
