@@ -19,6 +19,7 @@ draws the charts.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -67,6 +68,10 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
             probe.use_devices(gpus)
         del model
         probe.sync()
+        # Every round collects garbage (probe.sync); the millions of objects the imports made would make each
+        # collection take a quarter of a second on a CPU. They live as long as the process: freeze them (after the
+        # first model's cycles are collected), so a collection walks only what the model and the rounds made.
+        gc.freeze()
         probe.reset_peak()
         before = probe.snapshot()
         started = time.perf_counter()
@@ -120,6 +125,7 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
         result.update({"status": "failed", "error": f"{type(err).__name__}: {err}"[:2000]})
     finally:
         probe.close()
+        gc.unfreeze()  # (above: in the stage's isolated child; a caller that measures in its own process keeps its gc)
     return result
 
 

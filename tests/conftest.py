@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -42,6 +45,21 @@ TIER_OF_FIXTURE = {
 }
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (the quick tier, scripts/test.sh) each worker gets a temporary folder of its own (TMPDIR, also
+    for the processes it starts): a test that checks what a sandbox left behind sees its own worker's leftovers only."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and not Path(tempfile.gettempdir()).name.startswith("quantgate-tests-"):  # (not again in a child pytest)
+        folder = Path(tempfile.gettempdir()) / f"quantgate-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', '')}-{worker}"
+        folder.mkdir(exist_ok=True)
+        os.environ["TMPDIR"] = tempfile.tempdir = config._quantgate_tmp = str(folder)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_quantgate_tmp", None):
+        shutil.rmtree(config._quantgate_tmp, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         for name in item.fixturenames:
@@ -50,6 +68,28 @@ def pytest_collection_modifyitems(config, items):
                     item.add_marker(marker)
         if not any(item.get_closest_marker(name) for name in HEAVY):
             item.add_marker("quick")
+
+
+@pytest.fixture
+def every_item(request) -> bool:
+    """Whether a test that sweeps a whole shipped pool takes every item (the full run, as CI runs it) or a sample (the
+    quick tier: exactly `-m quick`, as scripts/test.sh decides it too; docs/testing.md)."""
+    return " ".join(request.config.getoption("markexpr").split()) != "quick"
+
+
+@pytest.fixture(autouse=True)
+def _dvc_logging_on_live_streams():
+    """dvc's in-process API logs through handlers bound to sys.stdout/sys.stderr as they were when its logging was set
+    up. Set up inside a test that captured its output (capsys), they write to a closed stream in every later test;
+    which test comes first depends on the order, and pytest-xdist's workers take another one."""
+    yield
+    dvc_logger = sys.modules.get("dvc.logger")
+    loggers = [logging.getLogger(name) for name in ("dvc", "dvc_objects", "dvc_data")]
+    if dvc_logger and any(getattr(getattr(h, "stream", None), "closed", False) for lg in loggers for h in lg.handlers):
+        for lg in loggers:  # setup() adds handlers: drop the dead ones first
+            for h in [h for h in lg.handlers if isinstance(h, dvc_logger.LoggerHandler)]:
+                lg.removeHandler(h)
+        dvc_logger.setup()
 
 
 @pytest.fixture(autouse=True)

@@ -88,20 +88,21 @@ BODY_ESCAPES = (" __import__('os')._exit(0)", " __import__('sys').exit(0)", " (_
                 " __import__('os').kill(__import__('os').getpid(), 15)")
 
 
-def test_shipped_code_probes_pass_their_canonical_body_and_fail_every_escape():
+def test_shipped_code_probes_pass_their_canonical_body_and_fail_every_escape(every_item):
     """eval/code's 898 items through lm-eval's own process_results (eval/code/utils.py): every canonical body
-    passes; every item with an escape instead of its body fails (the first three exit 0)."""
+    passes; every item with an escape instead of its body fails (the first three exit 0). The quick tier takes
+    every ninth item (100; odd, so every escape is among them), the full run all of them."""
     task = _task(REPO / "eval", "quantgate_code")
     docs = list(task.eval_docs)
     assert len(docs) == 898
+    picked = range(len(docs)) if every_item else range(0, len(docs), 9)
     # each call is its own sandboxed process: a thread per core this process may use keeps them busy (half the time
     # on two); at most 4, as every sandbox counts against the one uid's process limit (sandbox.Limits)
     with ThreadPoolExecutor(max_workers=min(4, len(os.sched_getaffinity(0)))) as pool:
-        canonical = list(pool.map(lambda d: task.process_results(d, [d["canonical"]]), docs))
-        escapes = list(pool.map(lambda n: task.process_results(docs[n], [BODY_ESCAPES[n % len(BODY_ESCAPES)]]),
-                                range(len(docs))))
-    assert [d["id"] for d, got in zip(docs, canonical) if got != {"pass@1": 1.0}] == []
-    assert [d["id"] for d, got in zip(docs, escapes) if got != {"pass@1": 0.0}] == []
+        canonical = list(pool.map(lambda n: task.process_results(docs[n], [docs[n]["canonical"]]), picked))
+        escapes = list(pool.map(lambda n: task.process_results(docs[n], [BODY_ESCAPES[n % len(BODY_ESCAPES)]]), picked))
+    assert [docs[n]["id"] for n, got in zip(picked, canonical) if got != {"pass@1": 1.0}] == []
+    assert [docs[n]["id"] for n, got in zip(picked, escapes) if got != {"pass@1": 0.0}] == []
 
 
 def test_a_declared_runs_code_type_gets_the_same_check(tmp_path):
