@@ -45,6 +45,9 @@ TIER_OF_FIXTURE = {
 }
 
 
+WORKER_TMP = pytest.StashKey[str]()
+
+
 def pytest_configure(config):
     """Under pytest-xdist (the quick tier, scripts/test.sh) each worker gets a temporary folder of its own (TMPDIR, also
     for the processes it starts): a test that checks what a sandbox left behind sees its own worker's leftovers only."""
@@ -52,12 +55,12 @@ def pytest_configure(config):
     if worker and not Path(tempfile.gettempdir()).name.startswith("quantgate-tests-"):  # (not again in a child pytest)
         folder = Path(tempfile.gettempdir()) / f"quantgate-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', '')}-{worker}"
         folder.mkdir(exist_ok=True)
-        os.environ["TMPDIR"] = tempfile.tempdir = config._quantgate_tmp = str(folder)
+        os.environ["TMPDIR"] = tempfile.tempdir = config.stash[WORKER_TMP] = str(folder)
 
 
 def pytest_unconfigure(config):
-    if getattr(config, "_quantgate_tmp", None):
-        shutil.rmtree(config._quantgate_tmp, ignore_errors=True)
+    if WORKER_TMP in config.stash:
+        shutil.rmtree(config.stash[WORKER_TMP], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -84,9 +87,11 @@ def _dvc_logging_on_live_streams():
     which test comes first depends on the order, and pytest-xdist's workers take another one."""
     yield
     dvc_logger = sys.modules.get("dvc.logger")
+    if not dvc_logger:
+        return
     loggers = [logging.getLogger(name) for name in ("dvc", "dvc_objects", "dvc_data")]
-    if dvc_logger and any(getattr(getattr(h, "stream", None), "closed", False) for lg in loggers for h in lg.handlers):
-        for lg in loggers:  # setup() adds handlers: drop the dead ones first
+    if any(h.stream.closed for lg in loggers for h in lg.handlers if isinstance(h, dvc_logger.LoggerHandler)):
+        for lg in loggers:  # setup() adds handlers: drop dvc's old ones first
             for h in [h for h in lg.handlers if isinstance(h, dvc_logger.LoggerHandler)]:
                 lg.removeHandler(h)
         dvc_logger.setup()
