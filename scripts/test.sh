@@ -10,19 +10,16 @@ if ! .venv/bin/python -c "import llama_cpp.server" 2>/dev/null; then
   CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[server]"
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-# The quick tier (exactly `-m quick`) runs on a worker process per core this process may use (nproc), at most 4
-# (pytest-xdist; every sandboxed program runs as the one uid 65534, whose process limit they share), a test file per
-# worker so that a file's fixtures are built once. Pass -n or --dist yourself to choose otherwise (-n 0: one process).
-# The full run stays in one process: its whole-pipeline fixtures serve tests in several files.
-quick="" chosen="" prev=""
+# The tests run on a worker process per core this process may use (nproc), at most 4 (pytest-xdist; every sandboxed
+# program runs as the one uid 65534, whose process limit they share). A group of tests runs on one worker: those that
+# share a whole-pipeline fixture, the Ray tests, else a test file (tests/conftest.py, GROUP_OF_FIXTURE), the longest
+# groups first. Pass -n or --dist yourself to choose otherwise (-n 0: one process).
+chosen=""
 for arg in "$@"; do
-  { [[ "$prev" == -m || "$prev" == --markexpr ]] && [[ "$arg" == quick ]]; } && quick=1
-  [[ "$arg" == -mquick || "$arg" == --markexpr=quick ]] && quick=1
   [[ "$arg" == -n* || "$arg" == --numprocesses* || "$arg" == --dist* || "$arg" == *no:xdist* ]] && chosen=1
-  prev="$arg"
 done
-if [[ -n "$quick" && -z "$chosen" ]]; then
+if [[ -z "$chosen" ]]; then
   workers="$(nproc)"
-  set -- -n "$(( workers < 4 ? workers : 4 ))" --dist loadfile "$@"
+  set -- -n "$(( workers < 4 ? workers : 4 ))" --dist loadgroup --no-loadscope-reorder "$@"
 fi
 .venv/bin/python -m pytest "$@"

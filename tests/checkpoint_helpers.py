@@ -1,5 +1,6 @@
 """Helpers for the checkpoint admission tests (tests/test_checkpoints_*.py): copy a real checkpoint and break
-one thing in it, the way a real writer would; the checkpoints themselves are session fixtures in conftest.py."""
+one thing in it, the way a real writer would; and the real checkpoints themselves (conftest.py serves them as session
+fixtures)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,69 @@ def hub_cache(src, cache, repo_id="vendor/tiny-gptq", revision="a" * 40):
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     return snapshot_download(repo_id, cache_dir=cache, local_files_only=True)
+
+
+def library_written(tiny_model, tiny_calibration, root):
+    """AWQ (autoawq), GPTQ 3-bit and gptq_v2 4-bit (GPTQModel) and int8 (bitsandbytes) checkpoints of the tiny model,
+    written by the libraries themselves, not through quantgate."""
+    import torch
+    from awq import AutoAWQForCausalLM
+    from gptqmodel import GPTQModel, QuantizeConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from pipelines.core import logs
+
+    texts = [json.loads(line)["text"] for line in (tiny_calibration / "mixed.jsonl").read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    with logs.library_output("test"):
+        awq = AutoAWQForCausalLM.from_pretrained(str(tiny_model), torch_dtype=torch.float16)
+        awq.quantize(tok, quant_config={"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"},
+                     calib_data=texts, max_calib_seq_len=96)
+        awq.save_quantized(str(root / "awq"))
+        tok.save_pretrained(root / "awq")
+        gptq = GPTQModel.load(str(tiny_model), QuantizeConfig(bits=3, group_size=64), device="cpu")
+        gptq.quantize(texts)
+        gptq.save(str(root / "gptq"))
+        v2 = GPTQModel.load(str(tiny_model), QuantizeConfig(bits=4, group_size=32, format="gptq_v2"), device="cpu")
+        v2.quantize(texts)
+        v2.save(str(root / "gptq_v2"))
+        int8 = AutoModelForCausalLM.from_pretrained(str(tiny_model), device_map="cpu",
+                                                    quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+        int8.save_pretrained(root / "int8")
+        tok.save_pretrained(root / "int8")
+    return {"awq": root / "awq", "gptq": root / "gptq", "gptq_v2": root / "gptq_v2", "int8": root / "int8"}
+
+
+def compressed_tensors_written(tiny_model, root):
+    """compressed-tensors pack-quantized int4 (group 32), symmetric and asymmetric, written by the library's own
+    ModelCompressor; llm-compressor (which drives it with GPTQ) does not install with the pins, so the scales
+    come from each group's min/max, as its RTN path does."""
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipelines.core import logs
+
+    out = {}
+    for kind, symmetric in (("sym", True), ("asym", False)):
+        args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=32)
+        with logs.library_output("test"):
+            model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float16)
+            apply_quantization_config(model, QuantizationConfig(
+                config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
+            for module in model.modules():
+                if hasattr(module, "weight_scale"):
+                    w = module.weight.detach().float().reshape(module.weight.shape[0], -1, 32)
+                    scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
+                    module.weight_scale.data.copy_(scale)
+                    module.weight_zero_point.data.copy_(zero)
+            compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+            compressor.compress_model(model)
+            model.save_pretrained(root / kind)
+            compressor.update_config(str(root / kind))
+        AutoTokenizer.from_pretrained(tiny_model).save_pretrained(root / kind)
+        out[kind] = root / kind
+    return out

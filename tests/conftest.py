@@ -49,7 +49,7 @@ WORKER_TMP = pytest.StashKey[str]()
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (the quick tier, scripts/test.sh) each worker gets a temporary folder of its own (TMPDIR, also
+    """Under pytest-xdist (scripts/test.sh) each worker gets a temporary folder of its own (TMPDIR, also
     for the processes it starts): a test that checks what a sandbox left behind sees its own worker's leftovers only."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker and not Path(tempfile.gettempdir()).name.startswith("quantgate-tests-"):  # (not again in a child pytest)
@@ -63,20 +63,46 @@ def pytest_unconfigure(config):
         shutil.rmtree(config.stash[WORKER_TMP], ignore_errors=True)
 
 
+# ---- the workers (pytest-xdist, `--dist loadgroup`, scripts/test.sh): a group runs on one worker. The tests that share
+# a costly session fixture are one group (built once, not once per worker); the Ray tests are one group, because they
+# count the machine's raylets; any other test goes with its file (a module's fixtures are built once).
+GROUP_OF_FIXTURE = {
+    "tests.conftest:pipeline_run": "pipeline_run",
+    "tests.conftest:small_sequential": "ray",
+    "tests.conftest:log_evidence": "log_evidence",
+    "tests.conftest:direct_checkpoints": "library_checkpoints", "tests.conftest:ct_checkpoints": "library_checkpoints",
+}
+# The groups that took longest (CI's --durations, docs/testing.md) are handed out first, so that no worker starts a long
+# one when the others are done. Seconds on the 2-core CI machine, one process; a group not listed keeps its place.
+SECONDS_OF_GROUP = {
+    "ray": 1050, "pipeline_run": 750, "tests/test_mlflow_server.py": 130, "tests/test_sandbox_token.py": 130,
+    "tests/test_mlflow_ui.py": 100, "tests/test_memory.py": 90, "log_evidence": 60, "tests/test_gpu_memory_check.py": 60,
+    "tests/test_shadow.py": 50, "tests/test_gguf.py": 40, "tests/test_isolation.py": 35,
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    group = {}
     for item in items:
-        for name in item.fixturenames:
-            for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
-                for marker in TIER_OF_FIXTURE.get(f"{fixturedef.func.__module__}:{name}", ()):
-                    item.add_marker(marker)
+        keys = [f"{d.func.__module__}:{name}" for name in item.fixturenames
+                for d in item._fixtureinfo.name2fixturedefs.get(name, ())]
+        for marker in {m for key in keys for m in TIER_OF_FIXTURE.get(key, ())}:
+            item.add_marker(marker)
         if not any(item.get_closest_marker(name) for name in HEAVY):
             item.add_marker("quick")
+        group[item] = next((GROUP_OF_FIXTURE[k] for k in keys if k in GROUP_OF_FIXTURE), None) or \
+            ("ray" if item.get_closest_marker("ray") else item.nodeid.split("::", 1)[0])
+        if config.pluginmanager.hasplugin("xdist"):  # (its marker is unknown under -p no:xdist)
+            item.add_marker(pytest.mark.xdist_group(group[item]))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike; one process keeps the files' order
+        items.sort(key=lambda item: -SECONDS_OF_GROUP.get(group[item], 0))
 
 
 @pytest.fixture
 def every_item(request) -> bool:
     """Whether a test that sweeps a whole shipped pool takes every item (the full run, as CI runs it) or a sample (the
-    quick tier: exactly `-m quick`, as scripts/test.sh decides it too; docs/testing.md)."""
+    quick tier: exactly `-m quick`; docs/testing.md)."""
     return " ".join(request.config.getoption("markexpr").split()) != "quick"
 
 
@@ -185,72 +211,17 @@ def log_evidence(tmp_path_factory, tiny_variants):
 @pytest.fixture(scope="session")
 def direct_checkpoints(tmp_path_factory, tiny_model, tiny_calibration):
     """Checkpoints written by the libraries themselves, not through quantgate (tests/test_checkpoints_*.py)."""
-    import json
+    from tests.checkpoint_helpers import library_written
 
-    import torch
-    from awq import AutoAWQForCausalLM
-    from gptqmodel import GPTQModel, QuantizeConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
-    from pipelines.core import logs
-
-    texts = [json.loads(line)["text"] for line in (tiny_calibration / "mixed.jsonl").read_text().splitlines()]
-    root = tmp_path_factory.mktemp("direct")
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    with logs.library_output("test"):
-        awq = AutoAWQForCausalLM.from_pretrained(str(tiny_model), torch_dtype=torch.float16)
-        awq.quantize(tok, quant_config={"zero_point": True, "q_group_size": 64, "w_bit": 4, "version": "GEMM"},
-                     calib_data=texts, max_calib_seq_len=96)
-        awq.save_quantized(str(root / "awq"))
-        tok.save_pretrained(root / "awq")
-        gptq = GPTQModel.load(str(tiny_model), QuantizeConfig(bits=3, group_size=64), device="cpu")
-        gptq.quantize(texts)
-        gptq.save(str(root / "gptq"))
-        v2 = GPTQModel.load(str(tiny_model), QuantizeConfig(bits=4, group_size=32, format="gptq_v2"), device="cpu")
-        v2.quantize(texts)
-        v2.save(str(root / "gptq_v2"))
-        int8 = AutoModelForCausalLM.from_pretrained(str(tiny_model), device_map="cpu",
-                                                    quantization_config=BitsAndBytesConfig(load_in_8bit=True))
-        int8.save_pretrained(root / "int8")
-        tok.save_pretrained(root / "int8")
-    return {"awq": root / "awq", "gptq": root / "gptq", "gptq_v2": root / "gptq_v2", "int8": root / "int8"}
+    return library_written(tiny_model, tiny_calibration, tmp_path_factory.mktemp("direct"))
 
 
 @pytest.fixture(scope="session")
 def ct_checkpoints(tmp_path_factory, tiny_model):
-    """compressed-tensors pack-quantized int4 (group 32), symmetric and asymmetric, written by the library's own
-    ModelCompressor; llm-compressor (which drives it with GPTQ) does not install with the pins, so the scales
-    come from each group's min/max, as its RTN path does."""
-    import torch
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
-    from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """compressed-tensors pack-quantized int4, written by the library's own ModelCompressor."""
+    from tests.checkpoint_helpers import compressed_tensors_written
 
-    from pipelines.core import logs
-
-    root = tmp_path_factory.mktemp("ct")
-    out = {}
-    for kind, symmetric in (("sym", True), ("asym", False)):
-        args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=32)
-        with logs.library_output("test"):
-            model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float16)
-            apply_quantization_config(model, QuantizationConfig(
-                config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
-            for module in model.modules():
-                if hasattr(module, "weight_scale"):
-                    w = module.weight.detach().float().reshape(module.weight.shape[0], -1, 32)
-                    scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
-                    module.weight_scale.data.copy_(scale)
-                    module.weight_zero_point.data.copy_(zero)
-            compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
-            compressor.compress_model(model)
-            model.save_pretrained(root / kind)
-            compressor.update_config(str(root / kind))
-        AutoTokenizer.from_pretrained(tiny_model).save_pretrained(root / kind)
-        out[kind] = root / kind
-    return out
+    return compressed_tensors_written(tiny_model, tmp_path_factory.mktemp("ct"))
 
 
 @pytest.fixture(scope="session")
