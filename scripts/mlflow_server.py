@@ -185,6 +185,10 @@ def cmd_start(args) -> int:
     pg_port = args.pg_port or free_port()
     if args.pg_port and not port_free(pg_port):
         raise Refused(f"--pg-port {pg_port} is busy on 127.0.0.1: choose another")
+    socket_path = f"{root}/pg/.s.PGSQL.{pg_port}"  # where start_postgres puts it; a Unix socket's path fits 107 bytes
+    if len(socket_path.encode()) > 107:
+        raise Refused(f"--dir {root} is too long a path: PostgreSQL's socket in it ({socket_path}) would take "
+                      f"{len(socket_path.encode())} bytes, over the 107 a Unix socket's path can: choose a shorter one")
     root.mkdir(parents=True, exist_ok=True)
     began = time.time()
     creds = credentials(root)

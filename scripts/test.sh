@@ -4,10 +4,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --profile smollm2  # the real model's GGUF: tests/test_gguf.py loads it
 # the endpoint tests' real server (tests/llama_server.py): llama-cpp-python builds llama.cpp from source, without its
-# multimodal library (LLAVA_BUILD, unused here; about half the build); pip's wheel cache keeps it for the next install
+# multimodal library (LLAVA_BUILD, unused here; about half the build), and for AVX2, not for this CPU (GGML_NATIVE):
+# a native build on a Xeon that reports AMX runs AMX instructions, and in a VM that does not enable AMX they stop the
+# server (invalid opcode, in the middle of a request). Not from pip's wheel cache: the cache ignores CMAKE_ARGS.
 if ! .venv/bin/python -c "import llama_cpp.server" 2>/dev/null; then
-  echo "test: installing llama-cpp-python[server] (builds llama.cpp from source: a few minutes the first time)"
-  CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF}" .venv/bin/python -m pip install --quiet -c constraints.txt -e ".[server]"
+  echo "test: installing llama-cpp-python[server] (builds llama.cpp from source: a few minutes)"
+  CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON}" \
+    .venv/bin/python -m pip install --quiet --no-cache-dir -c constraints.txt -e ".[server]"
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 # The tests run on a worker process per core this process may use (nproc), at most 4 (pytest-xdist; every sandboxed

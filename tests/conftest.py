@@ -53,7 +53,8 @@ def pytest_configure(config):
     for the processes it starts): a test that checks what a sandbox left behind sees its own worker's leftovers only."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker and not Path(tempfile.gettempdir()).name.startswith("quantgate-tests-"):  # (not again in a child pytest)
-        folder = Path(tempfile.gettempdir()) / f"quantgate-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', '')}-{worker}"
+        run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")[:8]  # short: a Unix socket's path below fits 107 bytes
+        folder = Path(tempfile.gettempdir()) / f"quantgate-tests-{run}-{worker}"
         folder.mkdir(exist_ok=True)
         os.environ["TMPDIR"] = tempfile.tempdir = config.stash[WORKER_TMP] = str(folder)
 

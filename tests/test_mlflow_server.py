@@ -226,6 +226,9 @@ def test_clear_errors_from_the_script(server, tmp_path):
         open_ = script("start", "--dir", str(tmp_path / "open"), "--host", host, "--no-auth", "--port", str(free_port()))
         assert open_.returncode == 2 and f"--host {host} with --no-auth" in open_.stderr, open_.stderr
         assert not (tmp_path / "open").exists()
+    deep = tmp_path / ("d" * 100)  # PostgreSQL's socket would not fit a Unix socket's 107 bytes: said before initdb
+    too_long = script("start", "--dir", str(deep), "--port", str(free_port()))
+    assert too_long.returncode == 2 and "too long a path" in too_long.stderr and not deep.exists(), too_long.stderr
 
 
 def request(url: str, user: str | None = None, password: str | None = None) -> int:
