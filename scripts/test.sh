@@ -6,23 +6,40 @@ bash scripts/setup.sh --profile smollm2  # the real model's GGUF: tests/test_ggu
 # the endpoint tests' real server (tests/llama_server.py): llama-cpp-python builds llama.cpp from source, without its
 # multimodal library (LLAVA_BUILD, unused here; about half the build), and for AVX2, not for this CPU (GGML_NATIVE):
 # a native build on a Xeon that reports AMX runs AMX instructions, and in a VM that does not enable AMX they stop the
-# server (invalid opcode, in the middle of a request). Not from pip's wheel cache: the cache ignores CMAKE_ARGS.
-if ! .venv/bin/python -c "import llama_cpp.server" 2>/dev/null; then
-  echo "test: installing llama-cpp-python[server] (builds llama.cpp from source: a few minutes)"
-  CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON}" \
-    .venv/bin/python -m pip install --quiet --no-cache-dir -c constraints.txt -e ".[server]"
+# server in the middle of a request (invalid opcode). Your CMAKE_ARGS come after these (a later -D wins). The wheel is
+# kept in a folder named by the flags (pip's own wheel cache ignores CMAKE_ARGS), and .venv/.llama-cmake-args says what
+# the installed one was built with: an older build is replaced.
+llama_flags="-DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+llama_flags="$llama_flags ${CMAKE_ARGS:-}"
+llama_wheels="${XDG_CACHE_HOME:-$HOME/.cache}/quantgate/llama-cpp-$(printf %s "$llama_flags" | sha256sum | cut -c1-16)"
+if [[ "$(cat .venv/.llama-cmake-args 2>/dev/null)" != "$llama_flags" ]] ||
+    ! .venv/bin/python -c "import llama_cpp.server" 2>/dev/null; then
+  if ! compgen -G "$llama_wheels/llama_cpp_python-*.whl" >/dev/null; then
+    echo "test: building llama-cpp-python (llama.cpp from source: a few minutes, once for these build flags)"
+    CMAKE_ARGS="$llama_flags" .venv/bin/python -m pip wheel --quiet --no-cache-dir --no-deps -c constraints.txt \
+      -w "$llama_wheels" llama-cpp-python
+  fi
+  .venv/bin/python -m pip install --quiet --force-reinstall --no-deps "$llama_wheels"/llama_cpp_python-*.whl
+  .venv/bin/python -m pip install --quiet -c constraints.txt --find-links "$llama_wheels" -e ".[server]"
+  printf %s "$llama_flags" > .venv/.llama-cmake-args
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 # The tests run on a worker process per core this process may use (nproc), at most 4 (pytest-xdist; every sandboxed
-# program runs as the one uid 65534, whose process limit they share). A group of tests runs on one worker: those that
-# share a whole-pipeline fixture, the Ray tests, else a test file (tests/conftest.py, GROUP_OF_FIXTURE), the longest
-# groups first. Pass -n or --dist yourself to choose otherwise (-n 0: one process).
-chosen=""
+# program runs as the one uid 65534, whose process limit they share), in groups (tests/conftest.py: a group runs on one
+# worker). One process (-n 0) on one core, and for a debugger or live output; pass -n yourself to choose otherwise.
+chosen="" one=""
 for arg in "$@"; do
-  [[ "$arg" == -n* || "$arg" == --numprocesses* || "$arg" == --dist* || "$arg" == *no:xdist* ]] && chosen=1
+  case "$arg" in
+    -n* | --numprocesses* | *no:xdist*) chosen=1 ;;
+    --pdb | --trace | -s | --capture=no) one=1 ;;
+  esac
 done
+workers="$(nproc)"
 if [[ -z "$chosen" ]]; then
-  workers="$(nproc)"
-  set -- -n "$(( workers < 4 ? workers : 4 ))" --dist loadgroup --no-loadscope-reorder "$@"
+  if [[ -n "$one" || "$workers" -lt 2 ]]; then
+    set -- -n 0 "$@"
+  else
+    set -- -n "$(( workers < 4 ? workers : 4 ))" "$@"
+  fi
 fi
 .venv/bin/python -m pytest "$@"

@@ -50,8 +50,13 @@ WORKER_TMP = pytest.StashKey[str]()
 
 def pytest_configure(config):
     """Under pytest-xdist (scripts/test.sh) each worker gets a temporary folder of its own (TMPDIR, also
-    for the processes it starts): a test that checks what a sandbox left behind sees its own worker's leftovers only."""
+    for the processes it starts): a test that checks what a sandbox left behind sees its own worker's leftovers only.
+    Workers without the groups below would run two Ray clusters at once (one stopping the other's) and build every
+    whole-pipeline fixture on every worker: refused, not run."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker and config.getoption("numprocesses", None) and config.getoption("dist", None) != "loadgroup":
+        raise pytest.UsageError(f"--dist {config.getoption('dist')}: tests/conftest.py runs the tests on workers only "
+                                "as its groups (--dist loadgroup, the default here) or in one process (-n 0)")
     if worker and not Path(tempfile.gettempdir()).name.startswith("quantgate-tests-"):  # (not again in a child pytest)
         run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")[:8]  # short: a Unix socket's path below fits 107 bytes
         folder = Path(tempfile.gettempdir()) / f"quantgate-tests-{run}-{worker}"
@@ -80,6 +85,21 @@ SECONDS_OF_GROUP = {
     "tests/test_mlflow_ui.py": 100, "tests/test_memory.py": 90, "log_evidence": 60, "tests/test_gpu_memory_check.py": 60,
     "tests/test_shadow.py": 50, "tests/test_gguf.py": 40, "tests/test_isolation.py": 35,
 }
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which turns `-n N` alone into `--dist load`
+def pytest_cmdline_main(config):
+    """Workers (`-n N`, scripts/test.sh) without a --dist of your own take these groups, the longest first."""
+    if config.getoption("numprocesses", None) and config.getoption("dist", None) == "no":
+        config.option.dist, config.option.loadscopereorder = "loadgroup", False
+
+
+def pytest_collection_finish(session):
+    """pytest-xdist 3.8 marks a test's group on its node id; where pytest no longer lets it (9.2:
+    pytest-dev/pytest-xdist#1386), the groups are silently gone: stop instead."""
+    if getattr(session.config.option, "loadgroup", False) and any("@" not in item.nodeid for item in session.items):
+        raise pytest.UsageError("pytest-xdist's --dist loadgroup did not group the tests (pytest 9.2: "
+                                "pytest-dev/pytest-xdist#1386): install the pinned pytest (pyproject.toml), or -n 0")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks

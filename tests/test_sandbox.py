@@ -5,6 +5,7 @@ so in CI a machine without them fails these tests instead of skipping them."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -325,8 +326,12 @@ def test_total_bytes_written_are_capped(level):
 
 
 def _bytes_below(folder: str) -> int:
-    """Disk space the files below `folder` take (what `du` counts)."""
-    return sum(p.lstat().st_blocks * 512 for p in Path(folder).rglob("*") if p.is_file() and not p.is_symlink())
+    """Disk space the files below `folder` take (what `du` counts; a file gone meanwhile takes none)."""
+    total = 0
+    for path in Path(folder).rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            total += path.lstat().st_blocks * 512 if path.is_file() and not path.is_symlink() else 0
+    return total
 
 
 def test_files_in_its_private_tmp_count_toward_the_total():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pipelines import cli
 from pipelines.core.lineage import _imported, _module_file
-from tests.conftest import ROOT, TIER_OF_FIXTURE
+from tests.conftest import GROUP_OF_FIXTURE, ROOT, SECONDS_OF_GROUP, TIER_OF_FIXTURE
 
 
 def collected(marks: str) -> list[str]:
@@ -210,10 +210,13 @@ def test_what_starts_a_cluster_a_server_a_browser_or_a_pipeline_is_seen():
                                   "quantgate repro"}
 
 
-def test_every_fixture_that_sets_a_tier_exists():
-    """A fixture renamed or moved would leave its tests in the quick tier, unseen."""
+def test_every_fixture_that_sets_a_tier_or_a_group_exists_and_every_timed_group_is_one():
+    """A fixture renamed or moved would leave its tests in the quick tier, unseen, or split its users over the workers
+    (each building it); a timed group that is no group any more would lose its early start."""
     import importlib
 
-    for key in TIER_OF_FIXTURE:
+    for key in {**TIER_OF_FIXTURE, **GROUP_OF_FIXTURE}:
         module, name = key.split(":")
         assert callable(getattr(importlib.import_module(module), name, None)), key
+    for group in SECONDS_OF_GROUP:
+        assert group in {*GROUP_OF_FIXTURE.values(), "ray"} or (ROOT / group).is_file(), group
