@@ -108,7 +108,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         keys = [f"{d.func.__module__}:{name}" for name in item.fixturenames
                 for d in item._fixtureinfo.name2fixturedefs.get(name, ())]
-        for marker in {m for key in keys for m in TIER_OF_FIXTURE.get(key, ())}:
+        for marker in dict.fromkeys(m for key in keys for m in TIER_OF_FIXTURE.get(key, ())):  # once each, in order
             item.add_marker(marker)
         if not any(item.get_closest_marker(name) for name in HEAVY):
             item.add_marker("quick")

@@ -5,7 +5,6 @@ so in CI a machine without them fails these tests instead of skipping them."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pipelines.core import sandbox
+from pipelines.core import sandbox, supervisor
 from pipelines.core.sandbox import Limits, run_python
 
 pytestmark = pytest.mark.skipif(not sandbox.isolation_available() and not os.environ.get("QUANTGATE_REQUIRE_SANDBOX"),
@@ -313,7 +312,7 @@ def test_total_memory_of_all_its_processes_is_capped(level, hog):
 def test_total_bytes_written_are_capped(level):
     """1,000 files of 64 KiB: each under the 1 MiB per-file cap, 62 MiB together over the program's 16 MiB. At FULL
     they land in its tmpfs (nothing reaches the host's disk), elsewhere in its work directory, removed after."""
-    free, ours = shutil.disk_usage("/tmp").free, _bytes_below(tempfile.gettempdir())
+    free, ours = shutil.disk_usage("/tmp").free, _bytes_below(tempfile.gettempdir())  # (the worker's folder)
     code = "for n in range(1000):\n    open(f'f{n}', 'wb').write(bytes(2**16))\nprint('all written')\n"
     name, code = _named(code)
     r = _run_at(level, code, CAPPED)
@@ -326,12 +325,8 @@ def test_total_bytes_written_are_capped(level):
 
 
 def _bytes_below(folder: str) -> int:
-    """Disk space the files below `folder` take (what `du` counts; a file gone meanwhile takes none)."""
-    total = 0
-    for path in Path(folder).rglob("*"):
-        with contextlib.suppress(FileNotFoundError):
-            total += path.lstat().st_blocks * 512 if path.is_file() and not path.is_symlink() else 0
-    return total
+    """Disk space below `folder`, counted as the sandbox counts its own (pipelines/core/supervisor.py), all of it."""
+    return supervisor.folder_bytes(Path(folder), stop_above=2**62)
 
 
 def test_files_in_its_private_tmp_count_toward_the_total():
@@ -346,8 +341,6 @@ def test_files_in_its_private_tmp_count_toward_the_total():
 
 def test_without_proc_children_files_the_tree_is_still_found(monkeypatch):
     """A kernel without /proc/PID/task/TID/children: psutil's scan finds the same processes, the cap still holds."""
-    from pipelines.core import supervisor
-
     monkeypatch.setattr(supervisor, "CHILDREN_FILES", False)
     code = "import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n        block = b'x' * (80 * 2**20)\n" \
            "        time.sleep(8)\n        os._exit(0)\ntime.sleep(8)\n"
