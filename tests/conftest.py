@@ -54,6 +54,8 @@ def pytest_configure(config):
     Workers without the groups below would run two Ray clusters at once (one stopping the other's) and build every
     whole-pipeline fixture on every worker: refused, not run."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if getattr(config, "workerinput", {}).get("quantgate_dist") == "loadgroup":  # (pytest_configure_node, below)
+        config.option.loadgroup = True
     if not worker and config.getoption("numprocesses", None) and config.getoption("dist", None) != "loadgroup":
         raise pytest.UsageError(f"--dist {config.getoption('dist')}: tests/conftest.py runs the tests on workers only "
                                 "as its groups (--dist loadgroup, the default here) or in one process (-n 0)")
@@ -94,12 +96,21 @@ def pytest_cmdline_main(config):
         config.option.dist, config.option.loadscopereorder = "loadgroup", False
 
 
-def pytest_collection_finish(session):
-    """pytest-xdist 3.8 marks a test's group on its node id; where pytest no longer lets it (9.2:
-    pytest-dev/pytest-xdist#1386), the groups are silently gone: stop instead."""
-    if getattr(session.config.option, "loadgroup", False) and any("@" not in item.nodeid for item in session.items):
-        raise pytest.UsageError("pytest-xdist's --dist loadgroup did not group the tests (pytest 9.2: "
-                                "pytest-dev/pytest-xdist#1386): install the pinned pytest (pyproject.toml), or -n 0")
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """A worker parses the command line anew and would not see the --dist set above: it is told."""
+    node.workerinput["quantgate_dist"] = node.config.option.dist
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """pytest-xdist 3.8 marks a test's group on its node id (`...::test@group`), and schedules a test whose id has no
+    mark alone: where a worker did not mark them (a --dist it did not see; pytest 9.2, pytest-dev/pytest-xdist#1386),
+    the groups are silently gone. The scheduler stops the run instead."""
+    if node.config.option.dist == "loadgroup" and (alone := [i for i in ids if "@" not in i]):
+        pytest.exit(f"pytest-xdist's --dist loadgroup did not group the tests on {node.gateway.id} ({alone[0]}, "
+                    f"{len(alone)} in all; on pytest 9.2: pytest-dev/pytest-xdist#1386): install the pinned pytest "
+                    "(pyproject.toml), or run in one process (-n 0)", returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks

@@ -11,6 +11,8 @@ import sys
 from functools import cache
 from pathlib import Path
 
+import pytest
+
 from pipelines import cli
 from pipelines.core.lineage import _imported, _module_file
 from tests.conftest import GROUP_OF_FIXTURE, ROOT, SECONDS_OF_GROUP, TIER_OF_FIXTURE
@@ -220,3 +222,30 @@ def test_every_fixture_that_sets_a_tier_or_a_group_exists_and_every_timed_group_
         assert callable(getattr(importlib.import_module(module), name, None)), key
     for group in SECONDS_OF_GROUP:
         assert group in {*GROUP_OF_FIXTURE.values(), "ray"} or (ROOT / group).is_file(), group
+
+
+def test_the_workers_run_a_group_on_one_worker_and_stop_where_the_groups_are_gone():
+    """`-n 2` alone (no --dist) must group on the workers, not only on the scheduler: a worker parses the command line
+    anew, and a test whose id has no group mark is scheduled alone (two Ray clusters at once, every fixture twice)."""
+    import os
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # a run of its own, not this worker's
+    tests = ["tests/test_tiers.py::test_only_what_a_test_uses_counts",
+             "tests/test_tiers.py::test_what_starts_a_cluster_a_server_a_browser_or_a_pipeline_is_seen",
+             "tests/test_layout.py::test_the_contract_catches_both_kinds_of_violation",
+             "tests/test_layout.py::test_cli_only_parses_and_dispatches"]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-v", "-p", "no:cacheprovider", *tests],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ran = re.findall(r"^\[(gw\d)\] .*PASSED (\S+)", done.stdout, re.M)
+    assert sorted(nodeid for _, nodeid in ran) == sorted(f"{t}@{t.split('::')[0]}" for t in tests), done.stdout
+    for file in ("tests/test_tiers.py", "tests/test_layout.py"):
+        assert len({worker for worker, nodeid in ran if nodeid.startswith(file)}) == 1, done.stdout
+    ungrouped = SimpleNamespace(config=SimpleNamespace(option=SimpleNamespace(dist="loadgroup")),
+                                gateway=SimpleNamespace(id="gw1"))
+    conftest.pytest_xdist_node_collection_finished(ungrouped, [f"{tests[0]}@tests/test_tiers.py"])  # grouped: goes on
+    with pytest.raises(pytest.exit.Exception, match="did not group the tests on gw1 .*1 in all"):
+        conftest.pytest_xdist_node_collection_finished(ungrouped, tests[:1])
