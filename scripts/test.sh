@@ -24,33 +24,18 @@ if [[ "$(cat .venv/.llama-cmake-args 2>/dev/null)" != "$llama_flags" ]] ||
   printf %s "$llama_flags" > .venv/.llama-cmake-args
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-# The tests run on a worker process per core this process may use (nproc, or fewer where a cgroup's CPU quota allows
-# fewer: a container's), at most 4 (pytest-xdist; every sandboxed program runs as the one uid 65534, whose process limit
-# they share), in groups (tests/conftest.py: a group runs on one worker). One process (-n 0) on one core, and for a
-# debugger or live output; pass -n yourself (here or in PYTEST_ADDOPTS) to choose otherwise.
+# The tests run on a worker process per core this process may use, at most 4, in groups (pytest-xdist's `-n auto`, as
+# tests/workers.py counts it: CPU affinity and a container's quota). One process (-n 0) on one core, and for a debugger
+# or live output; pass -n or -p no:xdist yourself (here or in PYTEST_ADDOPTS) to choose otherwise.
 chosen="" one=""
-# shellcheck disable=SC2086 # PYTEST_ADDOPTS split into words, as pytest splits it
-for arg in "$@" ${PYTEST_ADDOPTS:-}; do
+read -ra addopts <<< "${PYTEST_ADDOPTS:-}"  # (words, not globbed)
+for arg in "$@" "${addopts[@]}"; do
   case "$arg" in
     -n* | --numprocesses* | *no:xdist*) chosen=1 ;;
     --pdb | --trace | -s | --capture=no) one=1 ;;
   esac
 done
-workers="$(nproc)"
-cgroup=/sys/fs/cgroup quota="" period=""  # a container's CPU quota: cgroup v2, else v1 ("max" or -1: none)
-if [[ -r $cgroup/cpu.max ]]; then
-  read -r quota period < $cgroup/cpu.max
-elif [[ -r $cgroup/cpu/cpu.cfs_quota_us ]]; then
-  quota="$(cat $cgroup/cpu/cpu.cfs_quota_us)" period="$(cat $cgroup/cpu/cpu.cfs_period_us)"
-fi
-if [[ "$quota" =~ ^[0-9]+$ && "$period" =~ ^[1-9][0-9]*$ ]] && (( quota / period < workers )); then
-  workers=$(( quota / period ))
-fi
 if [[ -z "$chosen" ]]; then
-  if [[ -n "$one" || "$workers" -lt 2 ]]; then
-    set -- -n 0 "$@"
-  else
-    set -- -n "$(( workers < 4 ? workers : 4 ))" "$@"
-  fi
+  if [[ -n "$one" ]]; then set -- -n 0 "$@"; else set -- -n auto "$@"; fi
 fi
 .venv/bin/python -m pytest "$@"

@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.workers import (  # noqa: F401 - hooks: pytest finds them here
+    SECONDS_OF_GROUP, group_of, pytest_cmdline_main, pytest_configure, pytest_configure_node, pytest_unconfigure,
+    pytest_xdist_auto_num_workers, pytest_xdist_node_collection_finished)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -45,74 +47,6 @@ TIER_OF_FIXTURE = {
 }
 
 
-WORKER_TMP = pytest.StashKey[str]()
-
-
-def pytest_configure(config):
-    """Under pytest-xdist (scripts/test.sh) each worker gets a temporary folder of its own (TMPDIR, also
-    for the processes it starts): a test that checks what a sandbox left behind sees its own worker's leftovers only.
-    Workers without the groups below would run two Ray clusters at once (one stopping the other's) and build every
-    whole-pipeline fixture on every worker: refused, not run."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if getattr(config, "workerinput", {}).get("quantgate_dist") == "loadgroup":  # (pytest_configure_node, below)
-        config.option.loadgroup = True
-    if not worker and config.getoption("numprocesses", None) and config.getoption("dist", None) != "loadgroup":
-        raise pytest.UsageError(f"--dist {config.getoption('dist')}: tests/conftest.py runs the tests on workers only "
-                                "as its groups (--dist loadgroup, the default here) or in one process (-n 0)")
-    if worker and not Path(tempfile.gettempdir()).name.startswith("quantgate-tests-"):  # (not again in a child pytest)
-        run = os.environ.get("PYTEST_XDIST_TESTRUNUID", "")[:8]  # short: a Unix socket's path below fits 107 bytes
-        folder = Path(tempfile.gettempdir()) / f"quantgate-tests-{run}-{worker}"
-        folder.mkdir(exist_ok=True)
-        os.environ["TMPDIR"] = tempfile.tempdir = config.stash[WORKER_TMP] = str(folder)
-
-
-def pytest_unconfigure(config):
-    if WORKER_TMP in config.stash:
-        shutil.rmtree(config.stash[WORKER_TMP], ignore_errors=True)
-
-
-# ---- the workers (pytest-xdist, `--dist loadgroup`, scripts/test.sh): a group runs on one worker. The tests that share
-# a costly session fixture are one group (built once, not once per worker); the Ray tests are one group, because they
-# count the machine's raylets; any other test goes with its file (a module's fixtures are built once).
-GROUP_OF_FIXTURE = {
-    "tests.conftest:pipeline_run": "pipeline_run",
-    "tests.conftest:small_sequential": "ray",
-    "tests.conftest:log_evidence": "log_evidence",
-    "tests.conftest:direct_checkpoints": "library_checkpoints", "tests.conftest:ct_checkpoints": "library_checkpoints",
-}
-# The groups that took longest (CI's --durations, docs/testing.md) are handed out first, so that no worker starts a long
-# one when the others are done. Seconds on the 2-core CI machine, one process; a group not listed keeps its place.
-SECONDS_OF_GROUP = {
-    "ray": 1050, "pipeline_run": 750, "tests/test_mlflow_server.py": 130, "tests/test_sandbox_token.py": 130,
-    "tests/test_mlflow_ui.py": 100, "tests/test_memory.py": 90, "log_evidence": 60, "tests/test_gpu_memory_check.py": 60,
-    "tests/test_shadow.py": 50, "tests/test_gguf.py": 40, "tests/test_isolation.py": 35,
-}
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which turns `-n N` alone into `--dist load`
-def pytest_cmdline_main(config):
-    """Workers (`-n N`, scripts/test.sh) without a --dist of your own take these groups, the longest first."""
-    if config.getoption("numprocesses", None) and config.getoption("dist", None) == "no":
-        config.option.dist, config.option.loadscopereorder = "loadgroup", False
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_configure_node(node):
-    """A worker parses the command line anew and would not see the --dist set above: it is told."""
-    node.workerinput["quantgate_dist"] = node.config.option.dist
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_node_collection_finished(node, ids):
-    """pytest-xdist 3.8 marks a test's group on its node id (`...::test@group`), and schedules a test whose id has no
-    mark alone: where a worker did not mark them (a --dist it did not see; pytest 9.2, pytest-dev/pytest-xdist#1386),
-    the groups are silently gone. The scheduler stops the run instead."""
-    if node.config.option.dist == "loadgroup" and (alone := [i for i in ids if "@" not in i]):
-        pytest.exit(f"pytest-xdist's --dist loadgroup did not group the tests on {node.gateway.id} ({alone[0]}, "
-                    f"{len(alone)} in all; on pytest 9.2: pytest-dev/pytest-xdist#1386): install the pinned pytest "
-                    "(pyproject.toml), or run in one process (-n 0)", returncode=pytest.ExitCode.USAGE_ERROR)
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     group = {}
@@ -123,8 +57,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(marker)
         if not any(item.get_closest_marker(name) for name in HEAVY):
             item.add_marker("quick")
-        group[item] = next((GROUP_OF_FIXTURE[k] for k in keys if k in GROUP_OF_FIXTURE), None) or \
-            ("ray" if item.get_closest_marker("ray") else item.nodeid.split("::", 1)[0])
+        group[item] = group_of(item, keys)
         if config.pluginmanager.hasplugin("xdist"):  # (its marker is unknown under -p no:xdist)
             item.add_marker(pytest.mark.xdist_group(group[item]))
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike; one process keeps the files' order

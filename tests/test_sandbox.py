@@ -50,7 +50,7 @@ def nobody_processes() -> list[int]:
 
 @pytest.fixture(autouse=True)
 def machine_left_as_it_was():
-    workdirs = tempfile.gettempdir()  # where the sandbox makes its folders: /tmp, or the xdist worker's (conftest.py)
+    workdirs = tempfile.gettempdir()  # where the sandbox makes its folders: /tmp, or the xdist worker's (tests/workers.py)
     before = {d: set(os.listdir(d)) for d in {*SHARED_TMP, workdirs}}
     yield
     time.sleep(0.2)

@@ -5,6 +5,8 @@ break unseen by whoever runs the quick tier twenty times a day)."""
 from __future__ import annotations
 
 import ast
+import math
+import os
 import re
 import subprocess
 import sys
@@ -15,13 +17,21 @@ import pytest
 
 from pipelines import cli
 from pipelines.core.lineage import _imported, _module_file
-from tests.conftest import GROUP_OF_FIXTURE, ROOT, SECONDS_OF_GROUP, TIER_OF_FIXTURE
+from tests import workers
+from tests.conftest import ROOT, TIER_OF_FIXTURE
+from tests.workers import GROUP_OF_FIXTURE, SECONDS_OF_GROUP
+
+
+def own_run() -> dict[str, str]:
+    """The environment for a pytest of its own: not this worker's, nor options set for this run (PYTEST_ADDOPTS)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
 
 
 def collected(marks: str) -> list[str]:
     """The node ids `pytest -m <marks>` runs, as pytest itself selects them."""
     done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", marks,
-                           "-p", "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "-p", "no:cacheprovider"], cwd=ROOT, env=own_run(), capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [line for line in done.stdout.splitlines() if "::" in line]
 
@@ -224,28 +234,49 @@ def test_every_fixture_that_sets_a_tier_or_a_group_exists_and_every_timed_group_
         assert group in {*GROUP_OF_FIXTURE.values(), "ray"} or (ROOT / group).is_file(), group
 
 
-def test_the_workers_run_a_group_on_one_worker_and_stop_where_the_groups_are_gone():
+def test_the_workers_run_a_group_on_one_worker_and_stop_where_the_groups_are_gone(request):
     """`-n 2` alone (no --dist) must group on the workers, not only on the scheduler: a worker parses the command line
     anew, and a test whose id has no group mark is scheduled alone (two Ray clusters at once, every fixture twice)."""
-    import os
     from types import SimpleNamespace
 
-    from tests import conftest
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # a run of its own, not this worker's
     tests = ["tests/test_tiers.py::test_only_what_a_test_uses_counts",
              "tests/test_tiers.py::test_what_starts_a_cluster_a_server_a_browser_or_a_pipeline_is_seen",
              "tests/test_layout.py::test_the_contract_catches_both_kinds_of_violation",
              "tests/test_layout.py::test_cli_only_parses_and_dispatches"]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-v", "-p", "no:cacheprovider", *tests],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-v", "--color=no", "-p", "no:cacheprovider",
+                           *tests], cwd=ROOT, env=own_run(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ran = re.findall(r"^\[(gw\d)\] .*PASSED (\S+)", done.stdout, re.M)
     assert sorted(nodeid for _, nodeid in ran) == sorted(f"{t}@{t.split('::')[0]}" for t in tests), done.stdout
     for file in ("tests/test_tiers.py", "tests/test_layout.py"):
         assert len({worker for worker, nodeid in ran if nodeid.startswith(file)}) == 1, done.stdout
-    ungrouped = SimpleNamespace(config=SimpleNamespace(option=SimpleNamespace(dist="loadgroup")),
-                                gateway=SimpleNamespace(id="gw1"))
-    conftest.pytest_xdist_node_collection_finished(ungrouped, [f"{tests[0]}@tests/test_tiers.py"])  # grouped: goes on
-    with pytest.raises(pytest.exit.Exception, match="did not group the tests on gw1 .*1 in all"):
-        conftest.pytest_xdist_node_collection_finished(ungrouped, tests[:1])
+
+    # the scheduler's stop, which this run (grouped) never reaches: registered, and stopping on what xdist runs alone
+    stop = request.config.hook.pytest_xdist_node_collection_finished
+    assert any(h.function is workers.pytest_xdist_node_collection_finished for h in stop.get_hookimpls())
+    def node(dist):
+        return SimpleNamespace(config=SimpleNamespace(option=SimpleNamespace(dist=dist)), gateway=SimpleNamespace(id="gw1"))
+    grouped = [f"{tests[0]}@tests/test_tiers.py", "tests/test_calibrate.py::test_x[a@b.org]@tests/test_calibrate.py"]
+    workers.pytest_xdist_node_collection_finished(node("loadgroup"), grouped)  # goes on
+    for dist, ids, said in [("loadgroup", tests[:1], "test_only_what_a_test_uses_counts and 0 more on gw1"),
+                            ("loadgroup", ["tests/test_calibrate.py::test_x[a@b.org]"], r"test_x\[a@b.org\] and 0"),
+                            ("load", grouped, "--dist load")]:
+        with pytest.raises(pytest.exit.Exception, match=said):
+            workers.pytest_xdist_node_collection_finished(node(dist), ids)
+
+
+def test_as_many_workers_as_whole_cores_the_process_may_use(tmp_path, monkeypatch):
+    """`-n auto`: a container's CPU quota (cgroup v2 or v1) counts, not the host's cores; at most MAX_WORKERS; one
+    process on one core."""
+    for name, text, cores in [("cpu.max", "max 100000\n", math.inf), ("cpu.max", "150000 100000\n", 1.5),
+                              ("cpu/cpu.cfs_quota_us", "-1\n", math.inf), ("cpu/cpu.cfs_quota_us", "300000\n", 3.0)]:
+        root = tmp_path / name.replace("/", "-") / text.split()[0]
+        (root / "cpu").mkdir(parents=True)
+        (root / name).write_text(text)
+        (root / "cpu/cpu.cfs_period_us").write_text("100000\n")
+        assert workers.cgroup_cpus(root) == cores, (name, text)
+    assert workers.cgroup_cpus(tmp_path / "none") == math.inf
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    for quota, expected in [(math.inf, workers.MAX_WORKERS), (3.0, 3), (2.5, 2), (1.5, 0)]:
+        monkeypatch.setattr(workers, "cgroup_cpus", lambda q=quota: q)
+        assert workers.pytest_xdist_auto_num_workers(None) == expected, quota
