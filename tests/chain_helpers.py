@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -63,6 +64,15 @@ def small_repo(dest: Path, variants: list[str], **fanout_settings) -> Path:
                             alternations=2, burst_size=2, leak_tolerance_pct=5.0)
     params["variants"] = {name: params["variants"][name] for name in variants}
     params["fanout"].update(fanout_settings)
+    # the shadow replay (the slowest stage here: 420 requests through fp16 and each routed variant) on the first few
+    # requests of each type, still enough for route to listen to a type's agreement (shadow.min_requests)
+    per_type, taken, kept = params["shadow"]["min_requests"] + 4, Counter(), []
+    for line in (repo / params["shadow"]["traffic"]).read_text().splitlines():
+        taken[label := json.loads(line)[params["shadow"]["label_field"]]] += 1
+        if taken[label] <= per_type:
+            kept.append(line)
+    (repo / "calibration_sets/traffic/shadow_sample.jsonl").write_text("\n".join(kept) + "\n")
+    params["shadow"]["traffic"] = "calibration_sets/traffic/shadow_sample.jsonl"
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))
     return repo
 
