@@ -71,8 +71,8 @@ def small_repo(dest: Path, variants: list[str], **fanout_settings) -> Path:
         taken[label := json.loads(line)[params["shadow"]["label_field"]]] += 1
         if taken[label] <= per_type:
             kept.append(line)
-    (repo / "calibration_sets/traffic/shadow_sample.jsonl").write_text("\n".join(kept) + "\n")
-    params["shadow"]["traffic"] = "calibration_sets/traffic/shadow_sample.jsonl"
+    (repo / "shadow_sample.jsonl").write_text("\n".join(kept) + "\n")  # (not in calibrate's traffic folder)
+    params["shadow"]["traffic"] = "shadow_sample.jsonl"
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))
     return repo
 

@@ -46,7 +46,10 @@ def cgroup_cpus(root: Path = Path("/sys/fs/cgroup")) -> float:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (scripts/test.sh): a worker per whole core this process may use (its CPU affinity, a container's
-    quota), at most MAX_WORKERS; one process (0) where that is one core."""
+    quota), at most MAX_WORKERS; one process (0) where that is one core. PYTEST_XDIST_AUTO_NUM_WORKERS, as xdist
+    documents it, wins."""
+    if chosen := os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return int(chosen)
     workers = int(min(MAX_WORKERS, len(os.sched_getaffinity(0)), cgroup_cpus()))
     return workers if workers >= 2 else 0
 
