@@ -19,7 +19,6 @@ from pipelines import cli
 from pipelines.core.lineage import _imported, _module_file
 from tests import workers
 from tests.conftest import ROOT, TIER_OF_FIXTURE
-from tests.workers import GROUP_OF_FIXTURE, SECONDS_OF_GROUP
 
 
 def own_run() -> dict[str, str]:
@@ -227,11 +226,11 @@ def test_every_fixture_that_sets_a_tier_or_a_group_exists_and_every_timed_group_
     (each building it); a timed group that is no group any more would lose its early start."""
     import importlib
 
-    for key in {**TIER_OF_FIXTURE, **GROUP_OF_FIXTURE}:
+    for key in {**TIER_OF_FIXTURE, **workers.GROUP_OF_FIXTURE}:
         module, name = key.split(":")
         assert callable(getattr(importlib.import_module(module), name, None)), key
-    for group in SECONDS_OF_GROUP:
-        assert group in {*GROUP_OF_FIXTURE.values(), "ray"} or (ROOT / group).is_file(), group
+    for group in workers.SECONDS_OF_GROUP:
+        assert group in {*workers.GROUP_OF_FIXTURE.values(), "ray"} or (ROOT / group).is_file(), group
 
 
 def test_the_workers_run_a_group_on_one_worker_and_stop_where_the_groups_are_gone(request):
@@ -254,6 +253,7 @@ def test_the_workers_run_a_group_on_one_worker_and_stop_where_the_groups_are_gon
     # the scheduler's stop, which this run (grouped) never reaches: registered, and stopping on what xdist runs alone
     stop = request.config.hook.pytest_xdist_node_collection_finished
     assert any(h.function is workers.pytest_xdist_node_collection_finished for h in stop.get_hookimpls())
+
     def node(dist):
         return SimpleNamespace(config=SimpleNamespace(option=SimpleNamespace(dist=dist)), gateway=SimpleNamespace(id="gw1"))
     grouped = [f"{tests[0]}@tests/test_tiers.py", "tests/test_calibrate.py::test_x[a@b.org]@tests/test_calibrate.py"]
