@@ -21,6 +21,7 @@ from pipelines.core.paths import COMPARE_REPORT as REPORT
 from pipelines.core.paths import SUMMARY
 from pipelines.evaluation.plans import probe_plans
 from pipelines.judging.comparison import compare_all, flat_rows, summary
+from pipelines.judging.planning import plan_all
 from pipelines.judging.plots import plot_all
 
 
@@ -40,6 +41,8 @@ def main() -> int:
     plans = probe_plans(params.evaluate.domains, params.evaluate)
     report = compare_all(list(params.variants), list(params.candidates), plans, params.compare, RESULTS, VARIANTS_DIR,
                          params.judged_elsewhere())
+    # what each pool can decide (informational: the gate neither reads nor checks it)
+    report["planning"] = plan_all(plans, params.compare, params.evaluate.look_items, params.evaluate.max_looks)
     report["dvc_lock_sha256"] = lock_digest()  # what `gate` checks the results against
     report["dvc_lock_stages"] = stage_digests()  # and, when they differ, names the stages that changed since
     write_json(REPORT, report)

@@ -19,6 +19,7 @@ from pipelines.core.errors import QuantgateError
 from pipelines.diagnose.check import FAIL, OK, WARN, Check, guarded
 from pipelines.diagnose.devices import backend_checks, torch_checks
 from pipelines.diagnose.model import disk_check, model_check
+from pipelines.diagnose.pools import pools_check
 from pipelines.diagnose.sandbox import sandbox_check
 from pipelines.diagnose.tools import dvc_check, endpoint_check, mlflow_check
 
@@ -44,6 +45,7 @@ def run_checks(params_path: str | Path = "params.yaml") -> list[Check]:
         checks += backend_checks(params, device)
         checks.append(guarded("model", model_check, params))
         checks.append(guarded("disk", disk_check, params))
+        checks.append(guarded("pools", pools_check, params))
         checks += [guarded(f"endpoint {n}", endpoint_check, n, c.endpoint.model_dump())
                    for n, c in params.candidates.items() if c.endpoint is not None]
     checks.append(guarded("mlflow", mlflow_check))

@@ -256,6 +256,17 @@ class EvaluateParams(Section):
         return self
 
 
+class PlanningParams(Section):
+    """The variant each probe pool is sized for (pipelines/judging/planning.py): `quantgate doctor` and compare.json's
+    `plans` say how often the looks would pass it, and how many items would make that `power`."""
+
+    # a variant whose accuracy drop is this share of the row's margin (0.4 x 0.05: 2 points), inside it ...
+    drop_of_margin: float = Field(0.4, gt=0, lt=1)
+    flip_rate: float = Field(0.07, gt=0, le=1)  # ... that flips this share of the items (at least the drop) ...
+    icc: float = Field(0.014, ge=0, lt=1)  # ... with this within-family correlation of flips
+    power: float = Field(0.55, gt=0.5, lt=1)  # should pass at least this often
+
+
 class CompareParams(Section):
     """Paired A/B of every variant against fp16 and the gate policy that turns it into verdicts."""
 
@@ -264,6 +275,7 @@ class CompareParams(Section):
     # how the looks share that rate: pocock, obrien_fleming (Lan-DeMets) or hsd:<gamma> (Hwang-Shih-DeCani)
     spending: str = "pocock"
     power: float = Field(0.8, gt=0.5, lt=1)  # planning only: the items that would decide at this power
+    planning: PlanningParams = Field(default_factory=PlanningParams)
     policy: dict[str, PolicyParams] = Field(default_factory=lambda: {"default": DEFAULT_POLICY})
 
     @property

@@ -108,27 +108,36 @@ def render_gate_operating(ctx: Context, arg: str, old: list[str]) -> list[str]:
     data = ctx.measured("gate_operating")
     r = data["results"]
     rows = []
+    groups = {c["pool"]: c["families"] for c in r["cells"] if c.get("families")}
+    cases = {"independent": "independent items", "declared": "{} families declared, independent items",
+             "clustered": "{} families, clustered (CV 1)", "strong": "{} families, strongly clustered (CV 1.5)"}
     for c in r["cells"]:
         q, p = c["quantgate"], c["peers"]
-        families = f"{c['families']} families" if c["families"] else "independent"
         looks = "/".join(count(n) for n in c["looks"])
         at_margin = abs(c["true_difference"] + r["margin"]) < 1e-9
         verdicts = f"{q['pass']:.3f} / {q['inconclusive']:.3f} / {q['fail']:.3f}"
-        rows.append([f"{count(c['pool'])} items, {families} (looks {looks})", signed(c["true_difference"], 2),
-                     pct(c["flip_rate"]), f"**{verdicts}**" if at_margin else verdicts, f"{q['items']:,.0f}",
-                     f"{p['llm-compressor']:.3f}", f"{p['vllm']:.3f}", f"{p['gptqmodel']:.3f}"])
+        rows.append([f"{count(c['pool'])} items, {cases[c['case']].format(groups.get(c['pool']))} (looks {looks})",
+                     signed(c["true_difference"], 2), pct(c["flip_rate"]), f"**{verdicts}**" if at_margin else verdicts,
+                     f"{q['items']:,.0f}", f"{c['planned_pass']:.3f}", f"{p['llm-compressor']:.3f}", f"{p['vllm']:.3f}",
+                     f"{p['gptqmodel']:.3f}"])
     lines = [f"{count(r['runs'])} simulated runs per cell (seed {r['seed']}), margin {r['margin']:g}, one-sided "
              f"α {r['alpha']:g}, {r['spending']} spending; base accuracy {r['base_accuracy']:g}; {r['flip_model']}; "
              f"{r.get('seconds', 0):.0f} s. Peers take every item of the pool and only pass or fail.", ""]
     lines += table(["pool", "true difference", "flip rate", "quantgate pass / inconclusive / fail", "mean items",
-                    "llm-compressor recovery ≥ 0.95: pass", "vLLM rtol 0.08: pass", "GPTQModel floor 5 %: pass"], rows)
+                    "planned pass", "llm-compressor recovery ≥ 0.95: pass", "vLLM rtol 0.08: pass",
+                    "GPTQModel floor 5 %: pass"], rows)
     if r.get("goals"):
-        lines += ["", "Goals (600-item pool):", ""]
+        lines += ["", "Goals:", ""]
         for g in r["goals"]:
             sign = "≤" if g.get("comparison", "<=") == "<=" else "≥"
             value = f"{g['value']:.0f}" if g["limit"] >= 1 else f"{g['value']:.3f}"
             what = g["what"].replace("-0", MINUS + "0")
             lines.append(f"- {what}: {value} (goal {sign} {g['limit']:g}): {'met' if g['met'] else '**missed**'}")
+    if r.get("sizing"):
+        lines += ["", "The 600-item pool's shape (36 families) sized by the planner for a variant 2 points worse:", ""]
+        lines += [f"- {cases[s['case']].format(36)}: a pass rate of {s['power']:g} needs "
+                  + (f"about {s['items']:,} items" if s["items"] else "more families: items alone do not reach it")
+                  for s in r["sizing"]]
     return lines
 
 
