@@ -275,8 +275,8 @@ def main() -> None:
               f"{q['fail']:6.3f} {q['items']:6.0f} {c['planned_pass']:7.3f} | "
               f"{p['llm-compressor']:8.3f} {p['vllm']:6.3f} {p['gptqmodel']:6.3f}")
     checks = goals(cells)
-    sizing = [{"case": case, "power": power, "items": items_for(600, 36, sequential.plan(600, 200, None, 3), case,
-                                                                 power, alpha)}
+    sizing = [{"case": case, "power": power, "pool": 600, "families": 36,
+               "items": items_for(600, 36, sequential.plan(600, 200, None, 3), case, power, alpha)}
               for case, power in (("declared", 0.65), ("clustered", 0.55), ("strong", 0.55))]
     print(f"\n{seconds:.0f} s on {args.workers} workers")
     if args.goals:

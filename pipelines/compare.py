@@ -42,7 +42,7 @@ def main() -> int:
     report = compare_all(list(params.variants), list(params.candidates), plans, params.compare, RESULTS, VARIANTS_DIR,
                          params.judged_elsewhere())
     # what each pool can decide (informational: the gate neither reads nor checks it)
-    report["planning"] = plan_all(plans, params.compare, params.evaluate.look_items, params.evaluate.max_looks)
+    report["planning"] = plan_all(plans, params.compare, params.evaluate.look_items, params.evaluate.max_looks, report)
     report["dvc_lock_sha256"] = lock_digest()  # what `gate` checks the results against
     report["dvc_lock_stages"] = stage_digests()  # and, when they differ, names the stages that changed since
     write_json(REPORT, report)

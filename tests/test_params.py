@@ -206,6 +206,15 @@ REFUSED = [
     ("compare.confidence", 0.7, r"must be in \[0.8, 1\)"),
     ("compare.confidence", 1.0, r"must be in \[0.8, 1\)"),
     ("compare.power", 0.3, "greater than 0.5"),
+    ("compare.planning.drop_of_margin", 0.0, "greater than 0"),
+    ("compare.planning.drop_of_margin", 1.0, "less than 1"),
+    ("compare.planning.flip_rate", 0.0, "greater than 0"),
+    ("compare.planning.flip_rate", 1.5, "less than or equal to 1"),
+    ("compare.planning.icc", -0.1, "greater than or equal to 0"),
+    ("compare.planning.icc", 1.0, "less than 1"),
+    ("compare.planning.power", 0.5, "greater than 0.5"),
+    ("compare.planning.power", 1.0, "less than 1"),
+    ("compare.planning.icc", float("nan"), "finite number"),
     ("memory.leak_tolerance_pct", 0.0, r"must be in \(0, 5\]"),
     ("memory.leak_tolerance_pct", 1000.0, r"must be in \(0, 5\]"),
     ("memory.noise_floor_bytes", 10**9, r"must be in \[0, 16384\]"),
@@ -273,7 +282,8 @@ def test_the_edges_of_every_range_are_accepted(tmp_path):
              "compare.policy.default.max_accuracy_drop": 0.499, "compare.confidence": 0.8,
              "memory.leak_tolerance_pct": 5.0, "memory.noise_floor_bytes": 16384, "coverage.min_share_ratio": 1.0,
              "coverage.min_classifier_accuracy": 1.0, "evaluate.allow_unisolated_code": True,
-             "evaluate.domains": ["code"], "calibration.samples": 4, "route.context_buckets": [1, 2]}
+             "evaluate.domains": ["code"], "calibration.samples": 4, "route.context_buckets": [1, 2],
+             "compare.planning.flip_rate": 1.0, "compare.planning.icc": 0.0}
     data = shipped_params()
     for key, value in edges.items():
         *parents, last = key.split(".")

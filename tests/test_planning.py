@@ -54,31 +54,56 @@ def plan_of(items: int, groups: int, sizes: list[int] | None = None) -> dict:
             "families": {i: f"f{g}" for i, g in zip(ids, labels)}}
 
 
-def test_a_pool_is_told_the_items_it_needs_or_that_it_needs_families():
+def with_icc(icc: float):
     p = load_params().compare
+    return p.model_copy(update={"planning": p.planning.model_copy(update={"icc": icc, "power": 0.55})})
+
+
+def test_a_pool_is_told_the_items_it_needs_or_that_it_needs_families():
+    p = with_icc(0.01)
     enough = planning.pool_plan("chat", plan_of(1000, 36), p, 200, 3)
-    assert enough["pass_rate"] >= p.planning.power and enough["items_for_power"] == 1000
+    assert enough["pass_rate"] >= 0.55 and enough["items_for_power"] == 1000 and enough["short_of"] is None
     assert enough["drop"] == pytest.approx(0.4 * 0.05) and enough["families"] == 36
-    small = planning.pool_plan("chat", plan_of(400, 36), p, 200, 3)
-    assert small["pass_rate"] < p.planning.power < enough["pass_rate"]
+    small_plan = plan_of(400, 36)
+    small = planning.pool_plan("chat", small_plan, p, 200, 3)
+    assert small["pass_rate"] < 0.55 < enough["pass_rate"]
     assert 400 < small["items_for_power"] <= 1000
     grown = sequential.plan(small["items_for_power"], 200, None, 3)
-    assert pass_rate(grown, planning.scaled_sizes(np.full(36, 400 / 36), 400, grown), drop=0.02, flip_rate=0.07,
-                     icc=p.planning.icc, **RULE) >= p.planning.power
-    clustered = p.model_copy(update={"planning": p.planning.model_copy(update={"icc": 0.08})})
-    few = planning.pool_plan("math", plan_of(1000, 6), clustered, 200, 3)
-    assert few["items_for_power"] is None  # six families sharing their fate: items alone never get there
+    whole = planning.look_family_sizes(small_plan["order"], small_plan["families"], [400])[0]
+    assert pass_rate(grown, planning.scaled_sizes(whole, 400, grown), drop=0.02, flip_rate=0.07, icc=0.01,
+                     **RULE) >= 0.55
+    few = planning.pool_plan("math", plan_of(1000, 6), with_icc(0.08), 200, 3)
+    assert few["items_for_power"] is None and few["short_of"] == "families"  # six families share their fate
 
 
-def test_doctor_says_which_pools_are_short_and_what_would_size_them(tmp_path):
-    """The shipped pools are sized for compare.planning; a cap of 300 items is not, nor are 17 math families at a
-    within-family correlation of 0.08."""
+def planning_params(tmp_path, icc: float, **evaluate):
+    changes = {"compare": {"planning": {"drop_of_margin": 0.4, "flip_rate": 0.07, "icc": icc, "power": 0.55}}}
+    return load_params(write_params(tmp_path, **changes, **({"evaluate": evaluate} if evaluate else {})))
+
+
+def test_doctor_says_which_pools_are_short_and_what_would_size_them(tmp_path, monkeypatch):
+    """At the shipped within-family correlation (gptq3's rows) the 17 math families cannot reach 0.55 and code and
+    code_comment need about a tenth more items; with independent flips every pool is sized; a cap of 300 items is
+    not. Standard lm-eval task rows are never loaded for it (their datasets would be)."""
+    from pipelines.evaluation import standard_tasks
+
+    monkeypatch.setattr(standard_tasks, "doc_count", lambda *a: pytest.fail("the doctor loaded a task's dataset"))
     shipped = pools_check(load_params())
-    assert shipped.status == OK, shipped
-    assert all(f"{row} " in shipped.detail for row in ("math", "code", "chat", "code_comment"))
-    capped = pools_check(load_params(write_params(tmp_path, evaluate={"max_items": 300})))
-    assert capped.status == WARN and "evaluate.max_items" in capped.detail and "chat: about" in capped.detail
-    params = load_params(write_params(tmp_path, compare={"planning": {"drop_of_margin": 0.4, "flip_rate": 0.07,
-                                                                      "icc": 0.08, "power": 0.55}}))
-    clustered = pools_check(params)
-    assert clustered.status == WARN and "math: no number of items reaches 0.55 with its 17 families" in clustered.detail
+    assert shipped.status == WARN, shipped
+    assert "math: no number of items reaches 0.55 with its 17 families" in shipped.detail
+    assert "code: about" in shipped.detail and "chat: about" not in shipped.detail
+    independent = pools_check(planning_params(tmp_path, 0.0))
+    assert independent.status == OK and all(f"{row} " in independent.detail for row in ("math", "code", "chat"))
+    capped = pools_check(planning_params(tmp_path, 0.0, max_items=300))
+    assert capped.status == WARN and "the looks stop at 300: evaluate.max_items" in capped.detail
+
+
+def test_single_items_grow_in_number_and_an_empty_pool_is_named():
+    p = load_params().compare
+    ids = [f"q{k}" for k in range(50)]
+    alone = {"pool": 50, "looks": [50], "order": ids, "families": {i: f"item:{i}" for i in ids}}
+    r = planning.pool_plan("x", alone, p, 200, 3)
+    assert r["pass_rate"] == r["pass_rate_independent"] and r["items_for_power"] == 500  # z, no design effect
+    assert [len(s) for s in planning.scaled_sizes(np.ones(50), 50, [200, 500])] == [200, 500]
+    empty = planning.pool_plan("x", {"pool": 0, "looks": [], "order": [], "families": {}}, p, 200, 3)
+    assert empty["short_of"] == "empty" and empty["pass_rate"] == 0.0 and empty["items_for_power"] is None

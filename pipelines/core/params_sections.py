@@ -258,12 +258,12 @@ class EvaluateParams(Section):
 
 class PlanningParams(Section):
     """The variant each probe pool is sized for (pipelines/judging/planning.py): `quantgate doctor` and compare.json's
-    `plans` say how often the looks would pass it, and how many items would make that `power`."""
+    `planning` say how often the looks would pass it, and how many items would make that `power`."""
 
     # a variant whose accuracy drop is this share of the row's margin (0.4 x 0.05: 2 points), inside it ...
     drop_of_margin: float = Field(0.4, gt=0, lt=1)
     flip_rate: float = Field(0.07, gt=0, le=1)  # ... that flips this share of the items (at least the drop) ...
-    icc: float = Field(0.014, ge=0, lt=1)  # ... with this within-family correlation of flips
+    icc: float = Field(0.025, ge=0, lt=1)  # ... with this within-family correlation of flips
     power: float = Field(0.55, gt=0.5, lt=1)  # should pass at least this often
 
 

@@ -2,7 +2,9 @@
 
 The accuracy rule spends its false-pass budget first, so an undersized pool shows up after hours of evaluation as
 `inconclusive`. compare.planning says which variant a pool must be able to pass (pipelines/judging/planning.py);
-this says, before anything runs, how often each row's looks would, and how many items would make it often enough.
+this says, before anything runs, how often each request type's looks would, and how many items would make it often
+enough. Only the project's probe pools are planned here: a standard lm-eval task's pool is its dataset, which the
+doctor does not load (compare.json's `planning` covers those rows), and this row only ever warns.
 """
 
 from __future__ import annotations
@@ -14,22 +16,30 @@ def pools_check(params) -> Check:
     from pipelines.evaluation.plans import probe_plans
     from pipelines.judging.planning import plan_all
 
-    plans = probe_plans(params.evaluate.domains, params.evaluate)
-    planned = plan_all(plans, params.compare, params.evaluate.look_items, params.evaluate.max_looks)
+    try:
+        plans = probe_plans(params.evaluate.domains, params.evaluate.model_copy(update={"tasks": {}}))
+        planned = plan_all(plans, params.compare, params.evaluate.look_items, params.evaluate.max_looks)
+    except Exception as err:  # noqa: BLE001 - informational: a pool the planner cannot read is for `evaluate` to refuse
+        return Check("pools", WARN, f"could not plan the probe pools: {type(err).__name__}: {err}")
     g = params.compare.planning
     short, parts = [], []
     for row, r in planned["rows"].items():
+        pool = plans[row]["pool"]
         parts.append(f"{row} {r['items']} items/{r['families']} families, drop {r['drop']:g}: {r['pass_rate']:.2f}")
-        if r["pass_rate"] < g.power:
-            pool = plans[row]["pool"]
-            if r["items_for_power"] is None:
-                short.append(f"{row}: no number of items reaches {g.power:g} with its {r['families']} families; "
-                             "add items from more families")
-            elif r["items_for_power"] > pool:
-                short.append(f"{row}: about {r['items_for_power']} items (the pool has {pool})")
-            else:
-                short.append(f"{row}: about {r['items_for_power']} items (the looks stop at {r['items']}: "
-                             "evaluate.max_items)")
+        if r["pass_rate"] >= g.power:
+            continue
+        if r["short_of"] == "empty":
+            short.append(f"{row}: its pool eval/{row}/ has no items")
+        elif r["short_of"] == "families":
+            short.append(f"{row}: no number of items reaches {g.power:g} with its {r['families']} families; "
+                         "add items from more families")
+        elif r["items_for_power"] is None:
+            short.append(f"{row}: more than {100_000:,} items")
+        else:
+            capped = " (and evaluate.max_items stops the looks at " + str(r["items"]) + ")" if r["items"] < pool else ""
+            where = (f"the pool has {pool}{capped}" if r["items_for_power"] > pool
+                     else f"the looks stop at {r['items']}: evaluate.max_items")
+            short.append(f"{row}: about {r['items_for_power']} items ({where})")
     detail = (f"pass rate of a variant {g.drop_of_margin:g} x the margin below fp16 (flip rate {g.flip_rate:g}, "
               f"within-family correlation {g.icc:g}; compare.planning): " + "; ".join(parts))
     if short:

@@ -2,7 +2,7 @@
 how many items would make that often enough.
 
 The accuracy rule keeps its false-pass budget first, so a pool too small for the drops real checkpoints have leaves
-them `inconclusive`. `quantgate doctor` and compare.json's `plans` say so from the pool alone: for the planning
+them `inconclusive`. `quantgate doctor` and compare.json's `planning` say so from the pool alone: for the planning
 variant of `compare.planning` (a drop inside the row's margin, a flip rate, a within-family correlation of flips) the
 chance that the looks pass it, and the pool size at which that chance reaches `compare.planning.power` (None when
 no number of items does: the families' shared fate caps what items can show, and more families are needed).
@@ -55,8 +55,16 @@ def floored_effect(effect: float, df: float) -> float:
 
 def pass_rate(looks: Sequence[int], sizes: Sequence[np.ndarray], *, drop: float, flip_rate: float, icc: float,
               margin: float, alpha: float, spending: str) -> float:
-    """Chance that the looks pass a variant `drop` below fp16 that flips `flip_rate` of the items, when flips share a
-    family with correlation `icc`. `sizes`: each look's family sizes (look_family_sizes)."""
+    """Chance that the looks pass a variant `drop` below fp16 that flips `flip_rate` of the items, when each kind of
+    flip (gains, losses) shares a family with correlation `icc`. `sizes`: each look's family sizes
+    (look_family_sizes).
+
+    One design effect, 1 + (m - 1) icc (floored at 1 as the rule floors its estimate), for both the estimate's spread
+    and the interval's width. Under one flip propensity per family the difference itself clusters less than each
+    kind of flip, but the rule's own estimate of the effect then varies from pool to pool, and its low draws are
+    where it passes; the two roughly cancel. Taking the difference's smaller correlation for the spread alone put the
+    plan up to 21 points under the simulated pass rate at a 2-point drop in benchmarks/gate_operating.py's clustered
+    cells, where this one is at most 11 under."""
     if not looks:
         return 0.0
     delta = -drop
@@ -69,8 +77,9 @@ def pass_rate(looks: Sequence[int], sizes: Sequence[np.ndarray], *, drop: float,
     se_alt, se_null, critical = [], [], []
     for n, size, a in zip(looks, sizes, alphas):
         independent = len(size) == n  # every item its own family: the rule takes z
-        df = None if independent else stats.cluster_degrees_of_freedom(np.repeat(np.arange(len(size)), size.astype(int)))
-        effect = 1.0 if independent else floored_effect(1 + (float(np.sum(size**2)) / n - 1) * icc, df)
+        df = None if independent else stats.bell_mccaffrey_df(size)
+        mean_size = float(np.sum(size**2)) / n  # size-weighted: the family an item is in, on average
+        effect = 1.0 if independent else floored_effect(1 + (mean_size - 1) * icc, df)
         se_alt.append(math.sqrt(variance * effect / n))
         se_null.append(math.sqrt(null_variance * effect / n))
         if df is not None and df <= 0:
@@ -94,8 +103,12 @@ def pass_rate(looks: Sequence[int], sizes: Sequence[np.ndarray], *, drop: float,
 
 
 def scaled_sizes(sizes: np.ndarray, pool: int, looks: Sequence[int]) -> list[np.ndarray]:
-    """A larger pool's looks, its items spread over the same families in the same shares."""
-    return [np.maximum(1.0, np.round(sizes * n / pool)) for n in looks]
+    """A larger pool's looks: its families grown in the same shares, its single items (items without a family, each
+    its own) grown in number, so each look's sizes add up to about its items."""
+    sizes = np.asarray(sizes, float)
+    families, singles = sizes[sizes > 1], int(np.sum(sizes == 1))
+    return [np.concatenate([np.maximum(1.0, np.round(families * n / pool)), np.ones(round(singles * n / pool))])
+            for n in looks]
 
 
 def pool_plan(row: str, plan: dict, p, look_items: int, max_looks: int) -> dict:
@@ -112,22 +125,45 @@ def pool_plan(row: str, plan: dict, p, look_items: int, max_looks: int) -> dict:
     rate = pass_rate(looks, sizes, icc=g.icc, **kw)
     independent = pass_rate(looks, [np.ones(n) for n in looks], icc=0.0, **kw)
     whole = sizes[-1] if sizes else np.array([])
-    needed = None
+    needed, limit = None, None
     if looks and rate >= g.power:
         needed = looks[-1]
     elif looks:
-        n, rates = looks[-1], [rate]
-        while n < MAX_ITEMS and not (len(rates) > PLATEAU and rates[-1] <= rates[-1 - PLATEAU] + 0.005):
+        n, rates, limit = looks[-1], [rate], "items"
+        while n < MAX_ITEMS:
+            if len(rates) > PLATEAU and rates[-1] <= rates[-1 - PLATEAU] + 0.005:
+                limit = "families"
+                break
             n = math.ceil(n * 1.1 / 50) * 50
             trial = sequential.plan(n, look_items, None, max_looks)
             rates.append(pass_rate(trial, scaled_sizes(whole, looks[-1], trial), icc=g.icc, **kw))
             if rates[-1] >= g.power:
-                needed = n
+                needed, limit = n, None
                 break
-    return {"items": looks[-1] if looks else 0, "drop": round(drop, 6), "families": int(len(whole)), "pass_rate": round(rate, 3),
-            "pass_rate_independent": round(independent, 3), "items_for_power": needed}
+    return {"items": looks[-1] if looks else 0, "drop": round(drop, 6), "families": int(len(whole)),
+            "pass_rate": round(rate, 3), "pass_rate_independent": round(independent, 3), "items_for_power": needed,
+            # why none was found: "families" (the rate stopped rising), "items" (MAX_ITEMS), "empty" (no items)
+            "short_of": limit if looks else "empty"}
 
 
-def plan_all(plans: dict[str, dict], p, look_items: int, max_looks: int) -> dict:
-    """compare.json's `planning`: the assumptions and every row's pool_plan."""
-    return {"assumptions": p.planning.model_dump(), "rows": {row: pool_plan(row, plan, p, look_items, max_looks) for row, plan in plans.items()}}
+def observed_icc(paired: dict | None, plan: dict) -> float | None:
+    """The within-family correlation a judged row showed, in compare.planning.icc's terms: (design effect - 1) /
+    (m - 1), m the size-weighted mean family size of the items it was judged on (0 where the floored design effect
+    is 1; None without paired numbers, flips or families: nothing to measure it on)."""
+    if not paired or not paired.get("items") or not paired.get("flip_rate"):
+        return None
+    size = look_family_sizes(plan["order"], plan["families"], [paired["items"]])[0]
+    mean_size = float(np.sum(size**2)) / paired["items"]
+    return round((paired["design_effect"] - 1) / (mean_size - 1), 4) if mean_size > 1 else None
+
+
+def plan_all(plans: dict[str, dict], p, look_items: int, max_looks: int, report: dict | None = None) -> dict:
+    """compare.json's `planning`: the assumptions and every row's pool_plan; with compare's report, also each judged
+    variant's observed_icc per row (what a team sets compare.planning.icc from)."""
+    rows = {row: pool_plan(row, plan, p, look_items, max_looks) for row, plan in plans.items()}
+    for name, variant in ((report or {}).get("variants") or {}).items():
+        for row, judged in (variant.get("domains") or {}).items():
+            if row in rows:
+                icc = observed_icc(judged.get("paired"), plans[row])
+                rows[row].setdefault("observed_icc", {})[name] = icc
+    return {"assumptions": p.planning.model_dump(), "rows": rows}

@@ -134,8 +134,10 @@ def render_gate_operating(ctx: Context, arg: str, old: list[str]) -> list[str]:
             what = g["what"].replace("-0", MINUS + "0")
             lines.append(f"- {what}: {value} (goal {sign} {g['limit']:g}): {'met' if g['met'] else '**missed**'}")
     if r.get("sizing"):
-        lines += ["", "The 600-item pool's shape (36 families) sized by the planner for a variant 2 points worse:", ""]
-        lines += [f"- {cases[s['case']].format(36)}: a pass rate of {s['power']:g} needs "
+        first = r["sizing"][0]
+        lines += ["", f"The {count(first['pool'])}-item pool's shape ({first['families']} families) sized by the planner "
+                      "for a variant 2 points worse:", ""]
+        lines += [f"- {cases[s['case']].format(s['families'])}: a pass rate of {s['power']:g} needs "
                   + (f"about {s['items']:,} items" if s["items"] else "more families: items alone do not reach it")
                   for s in r["sizing"]]
     return lines
