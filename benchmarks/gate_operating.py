@@ -197,17 +197,15 @@ def case_name(case: str, groups: int) -> str:
 
 
 def items_for(pool: int, groups: int, looks: list[int], case: str, power: float, alpha: float) -> int | None:
-    """The pool size planning says reaches `power` at -2 points in this case (families spread evenly)."""
+    """The pool size planning says reaches `power` at -2 points in this case (families spread evenly; the planner's
+    own search)."""
     cv = next(cv for name, _, cv in CASES if name == case)
-    n = pool
-    while n <= 20 * pool:
-        trial = sequential.plan(n, looks[0], None, len(looks))
-        cell = {"pool": n, "looks": trial, "declared": True, "families": groups, "true_difference": -0.02,
-                "flip_rate": flip_rate_for(-0.02), "cv": cv}
-        if planned(cell, alpha) >= power:
-            return n
-        n = int(np.ceil(n * 1.1 / 50) * 50)
-    return None
+
+    def rate_at(n: int) -> float:
+        return planned({"pool": n, "looks": sequential.plan(n, looks[0], None, len(looks)), "declared": True,
+                        "families": groups, "true_difference": -0.02, "flip_rate": flip_rate_for(-0.02), "cv": cv}, alpha)
+
+    return planning.items_for_power(rate_at, pool, rate_at(pool), power)[0]
 
 
 def main() -> None:

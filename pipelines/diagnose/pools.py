@@ -14,7 +14,7 @@ from pipelines.diagnose.check import OK, WARN, Check
 
 def pools_check(params) -> Check:
     from pipelines.evaluation.plans import probe_plans
-    from pipelines.judging.planning import plan_all
+    from pipelines.judging.planning import MAX_ITEMS, plan_all
 
     try:
         plans = probe_plans(params.evaluate.domains, params.evaluate.model_copy(update={"tasks": {}}))
@@ -34,7 +34,7 @@ def pools_check(params) -> Check:
             short.append(f"{row}: no number of items reaches {g.power:g} with its {r['families']} families; "
                          "add items from more families")
         elif r["items_for_power"] is None:
-            short.append(f"{row}: more than {100_000:,} items")
+            short.append(f"{row}: more than {MAX_ITEMS:,} items")
         else:
             capped = " (and evaluate.max_items stops the looks at " + str(r["items"]) + ")" if r["items"] < pool else ""
             where = (f"the pool has {pool}{capped}" if r["items_for_power"] > pool

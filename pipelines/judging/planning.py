@@ -111,11 +111,28 @@ def scaled_sizes(sizes: np.ndarray, pool: int, looks: Sequence[int]) -> list[np.
             for n in looks]
 
 
+def items_for_power(rate_at, start: int, start_rate: float, power: float) -> tuple[int | None, str | None]:
+    """(The smallest pool size, from `start` up in 10 % steps rounded to 50 items, whose rate_at(n) reaches `power`;
+    what stopped the search when none did: "families" where 8 steps raised the rate by less than 0.005, "items" at
+    MAX_ITEMS.) `start_rate`: rate_at(start), already known."""
+    if start_rate >= power:
+        return start, None
+    n, rates = start, [start_rate]
+    while n < MAX_ITEMS:
+        if len(rates) > PLATEAU and rates[-1] <= rates[-1 - PLATEAU] + 0.005:
+            return None, "families"
+        n = math.ceil(n * 1.1 / 50) * 50
+        rates.append(rate_at(n))
+        if rates[-1] >= power:
+            return n, None
+    return None, "items"
+
+
 def pool_plan(row: str, plan: dict, p, look_items: int, max_looks: int) -> dict:
     """For one row's plan (evaluation.plans.probe_plans): the planning variant's pass rate with the row's looks (and
     with independent items), and the items that reach compare.planning.power: the looks' cap when it already does,
-    else the smallest larger pool (10 % steps, the same families in the same shares, looks of look_items up to
-    max_looks) that does, None when none up to MAX_ITEMS does or the rate stops rising. `p`: CompareParams."""
+    else the smallest larger pool (items_for_power; the same families in the same shares, looks of look_items up to
+    max_looks) that does. `p`: CompareParams."""
     g = p.planning
     margin = p.policy_for(plan.get("domain") or row).max_accuracy_drop
     looks = plan["looks"]
@@ -125,25 +142,16 @@ def pool_plan(row: str, plan: dict, p, look_items: int, max_looks: int) -> dict:
     rate = pass_rate(looks, sizes, icc=g.icc, **kw)
     independent = pass_rate(looks, [np.ones(n) for n in looks], icc=0.0, **kw)
     whole = sizes[-1] if sizes else np.array([])
-    needed, limit = None, None
-    if looks and rate >= g.power:
-        needed = looks[-1]
-    elif looks:
-        n, rates, limit = looks[-1], [rate], "items"
-        while n < MAX_ITEMS:
-            if len(rates) > PLATEAU and rates[-1] <= rates[-1 - PLATEAU] + 0.005:
-                limit = "families"
-                break
-            n = math.ceil(n * 1.1 / 50) * 50
-            trial = sequential.plan(n, look_items, None, max_looks)
-            rates.append(pass_rate(trial, scaled_sizes(whole, looks[-1], trial), icc=g.icc, **kw))
-            if rates[-1] >= g.power:
-                needed, limit = n, None
-                break
+
+    def grown(n: int) -> float:
+        trial = sequential.plan(n, look_items, None, max_looks)
+        return pass_rate(trial, scaled_sizes(whole, looks[-1], trial), icc=g.icc, **kw)
+
+    needed, limit = items_for_power(grown, looks[-1], rate, g.power) if looks else (None, "empty")
     return {"items": looks[-1] if looks else 0, "drop": round(drop, 6), "families": int(len(whole)),
             "pass_rate": round(rate, 3), "pass_rate_independent": round(independent, 3), "items_for_power": needed,
             # why none was found: "families" (the rate stopped rising), "items" (MAX_ITEMS), "empty" (no items)
-            "short_of": limit if looks else "empty"}
+            "short_of": limit}
 
 
 def observed_icc(paired: dict | None, plan: dict) -> float | None:
