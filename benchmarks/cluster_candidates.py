@@ -6,10 +6,13 @@ candidate judges the same simulated runs, look by look, at the group-sequential 
 Pool: 600 items in 36 families, looks 200/400/600 (params.yaml's spending), margin 0.05, one-sided 2.5 %. Runs are made
 by gate_operating.simulate and shuffled (the pool's hash order): at the margin with the families' flip propensities
 varying with coefficient of variation 1, 1.5 and 2 (the false-pass rate: budget 2.5 %, goal under clustering 3 %),
-and at a 2-point drop with independent items in declared families and with CV 1 (the power). Candidates:
+and at a 2-point drop with independent items in declared families and with CV 1 (the power); and few_families.py's
+pool, 1,000 items in 4 or 8 families, looks 200/600/1000, at the margin with CV 1.5. Candidates:
 - rule: the shipped one (stats.paired_comparison, sequential.accuracy_rule): Tango's interval at effective counts,
-  design effect max(V(gains - losses), V(gains) + V(losses)) / V_iid, t on the Bell-McCaffrey degrees of freedom;
-- before: the same with the difference's own CR2 variance (the rule until this benchmark);
+  design effect max(V(gains - losses), V(gains) + V(losses)) / V_iid, t on the smaller of the Bell-McCaffrey degrees
+  of freedom and the flips' Satterthwaite count (stats.flip_spread_df);
+- rule-bm: the same on the Bell-McCaffrey degrees of freedom alone (the rule before flip_spread_df);
+- before: rule-bm with the difference's own CR2 variance (the rule until this benchmark);
 - wild-rademacher / wild-mammen: a wild cluster bootstrap-t with the null imposed (Cameron, Gelbach & Miller 2008;
   1,999 draws, a fixed seed), Rademacher or Mammen weights, on the CR2 t statistic of the difference;
 - pairs-t: a pairs cluster bootstrap-t (families resampled, 1,999 draws);
@@ -38,8 +41,12 @@ from benchmarks.gate_operating import MARGIN, flip_rate_for, simulate, spending 
 from pipelines.judging import sequential, stats  # noqa: E402
 
 POOL, FAMILIES, DRAWS = 600, 36, 1999
-CELLS = [("false pass, CV 1", -MARGIN, 1.0), ("false pass, CV 1.5", -MARGIN, 1.5), ("false pass, CV 2", -MARGIN, 2.0),
-         ("pass at -2 points, independent items", -0.02, 0.0), ("pass at -2 points, CV 1", -0.02, 1.0)]
+CELLS = [("false pass, CV 1", -MARGIN, 1.0, FAMILIES, POOL), ("false pass, CV 1.5", -MARGIN, 1.5, FAMILIES, POOL),
+         ("false pass, CV 2", -MARGIN, 2.0, FAMILIES, POOL),
+         ("false pass, 4 families, CV 1.5", -MARGIN, 1.5, 4, 1000),  # few_families.py's pool: 1,000 items
+         ("false pass, 8 families, CV 1.5", -MARGIN, 1.5, 8, 1000),
+         ("pass at -2 points, independent items", -0.02, 0.0, FAMILIES, POOL),
+         ("pass at -2 points, CV 1", -0.02, 1.0, FAMILIES, POOL)]
 PASS, FAIL, OPEN = sequential.PASS, sequential.FAIL, sequential.UNDECIDED
 
 
@@ -57,6 +64,11 @@ def interval_rule(base, variant, labels, alpha, effect: float, df: float) -> str
 def rule(base, variant, labels, alpha):
     return sequential.accuracy_rule(stats.paired_comparison(base, variant, families=labels, confidence=1 - 2 * alpha),
                                     MARGIN)[0]
+
+
+def rule_bm(base, variant, labels, alpha):
+    effect = stats.paired_design_effect(base, variant, labels)[0]
+    return interval_rule(base, variant, labels, alpha, effect, stats.cluster_degrees_of_freedom(labels))
 
 
 def before(base, variant, labels, alpha):
@@ -158,19 +170,19 @@ def score(base, variant, labels, alpha):
     return PASS if z >= critical else FAIL if z <= -critical else OPEN
 
 
-CANDIDATES = {"rule": rule, "before": before, "wild-rademacher": wild("rademacher"), "wild-mammen": wild("mammen"),
+CANDIDATES = {"rule": rule, "rule-bm": rule_bm, "before": before, "wild-rademacher": wild("rademacher"), "wild-mammen": wild("mammen"),
               "pairs-t": pairs_t, "johnson": johnson, "score": score, "kurtosis-df": kurtosis_df}
 
 
-def cell(name: str, difference: float, cv: float, runs: int, seed) -> dict:
+def cell(name: str, difference: float, cv: float, families: int, pool: int, runs: int, seed) -> dict:
     """Pass / inconclusive / fail shares of one candidate in one cell."""
-    looks = sequential.plan(POOL, 200, None, 3)
+    looks = sequential.plan(pool, 200, None, 3)
     alphas = stats.look_alphas(looks, 0.025, spending())
     rng = np.random.default_rng(seed)
     counts = {PASS: 0, OPEN: 0, FAIL: 0}
     for _ in range(runs):
-        base, variant, labels = simulate(rng, POOL, difference, flip_rate_for(difference), FAMILIES, cv=cv)
-        order = rng.permutation(POOL)
+        base, variant, labels = simulate(rng, pool, difference, flip_rate_for(difference), families, cv=cv)
+        order = rng.permutation(pool)
         base, variant, labels = base[order], variant[order], labels[order]
         decision = OPEN
         for n, alpha in zip(looks, alphas):
@@ -189,20 +201,21 @@ def main() -> None:
     measured.add_arguments(parser, "cluster_candidates")
     args = parser.parse_args()
     seeds = np.random.SeedSequence(args.seed).spawn(len(CELLS))  # every candidate judges the same runs of a cell
-    jobs = [(name, what, diff, cv, seed) for name in CANDIDATES for (what, diff, cv), seed in zip(CELLS, seeds)]
+    jobs = [(name, what, diff, cv, g, pool, seed) for name in CANDIDATES
+            for (what, diff, cv, g, pool), seed in zip(CELLS, seeds)]
     started = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
-        results = list(pool.map(cell, *zip(*[(n, d, cv, args.runs, s) for n, _, d, cv, s in jobs])))
+        results = list(pool.map(cell, *zip(*[(n, d, cv, g, size, args.runs, s) for n, _, d, cv, g, size, s in jobs])))
     seconds = time.perf_counter() - started
     by = {(name, what): r for (name, what, *_), r in zip(jobs, results)}
-    header = ["candidate", *[what for what, _, _ in CELLS]]
-    rows = [[name, *[f"{by[(name, what)][PASS]:.3f}" for what, _, _ in CELLS]] for name in CANDIDATES]
+    header = ["candidate", *[cell[0] for cell in CELLS]]
+    rows = [[name, *[f"{by[(name, cell[0])][PASS]:.3f}" for cell in CELLS]] for name in CANDIDATES]
     print(" | ".join(header))
     for row in rows:
         print(" | ".join(row))
     se = math.sqrt(0.025 * 0.975 / args.runs)
     note = (f"{args.runs:,} simulated runs per cell (seed {args.seed}; every candidate judges the same runs), 600 items "
-            f"in 36 families, looks 200/400/600, {spending()} spending, margin {MARGIN:g}, one-sided 2.5 %; "
+            f"in 36 families, looks 200/400/600 (4 and 8 families: 1,000 items, looks 200/600/1000), {spending()} spending, margin {MARGIN:g}, one-sided 2.5 %; "
             f"Monte-Carlo standard error at 2.5 %: ± {100 * se:.2f} %; {seconds:.0f} s on {args.workers} workers.")
     print(note)
     measured.record(args.record, "cluster_candidates", {"header": header, "rows": rows, "runs": args.runs,

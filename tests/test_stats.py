@@ -185,10 +185,11 @@ def test_accuracy_and_flip_rates_match_numpy():
 
 
 def test_few_families_take_students_t_with_one_degree_less():
-    """8 families: the cluster-robust variance is itself uncertain, so the limits use t with 7 df."""
+    """8 families: the cluster-robust variance is itself uncertain, so the limits use t with 7 df (the losses in
+    four families, one each: nothing crowds)."""
     base = np.array(correctness(N, 300))
     variant = base.copy()
-    variant[[0, 60, 120, 180]] = False
+    variant[[0, 61, 122, 183]] = False
     families = [f"f{i % 8}" for i in range(N)]
     row = stats.paired_comparison(base, variant, families=families)
     assert row["degrees_of_freedom"] == 7
@@ -197,6 +198,30 @@ def test_few_families_take_students_t_with_one_degree_less():
         stats.tango_interval(0, 4 / effect, N / effect, 0.95, df=7))
     assert row["ci_low"] < stats.tango_interval(0, 4 / effect, N / effect, 0.95)[0]  # wider than with z
     assert stats.paired_comparison(base, variant)["degrees_of_freedom"] is None  # every item its own family
+
+
+def test_flips_crowded_into_few_families_take_fewer_degrees_of_freedom():
+    """The same 24 losses in 8 equal families: spread 3 per family, t keeps Bell-McCaffrey's 7 degrees of freedom;
+    12 in each of two families, Satterthwaite's count from the flips, ((sum f)^2 - sum f) / (sum f^2 - sum f) x 7/8
+    = 552 / 264 x 7 / 8, and the interval's low end falls below the one t on 7 gives at the same effective counts."""
+    base = np.array(correctness(N, 300))
+    families = [f"f{i % 8}" for i in range(N)]
+    spread, crowded = base.copy(), base.copy()
+    spread[np.arange(24)] = False  # items 0-23: three in each family
+    crowded[np.arange(0, 192, 8)] = False  # families f0 ...
+    crowded[np.arange(1, 96, 8)[:12]] = False  # ... and f1: 12 losses each
+    crowded[np.arange(0, 192, 8)[12:]] = True
+    assert (~crowded).sum() == (~spread).sum() and crowded.sum() == 276
+    row = stats.paired_comparison(base, spread, families=families)
+    assert row["degrees_of_freedom"] == 7
+    row = stats.paired_comparison(base, crowded, families=families)
+    assert row["degrees_of_freedom"] == pytest.approx(552 / 264 * 7 / 8, abs=1e-6)
+    effect = row["design_effect"]
+    assert row["ci_low"] == pytest.approx(stats.tango_interval(0, 24 / effect, N / effect, 0.95,
+                                                               df=row["degrees_of_freedom"])[0])
+    assert row["ci_low"] < stats.tango_interval(0, 24 / effect, N / effect, 0.95, df=7)[0]
+    assert stats.flip_spread_df([1, 1, 1, 0]) == math.inf  # no family with two flips: nothing says they crowd
+    assert stats.flip_spread_df([5, 0, 0, 0]) == 1.0  # (25 - 5) / (25 - 5) x 3/4, floored at 1
 
 
 # --- few families: one cannot pass, 2-5 are judged with CR2 and Bell-McCaffrey's t -------------------------------
@@ -230,7 +255,7 @@ def test_few_equal_families_widen_the_interval_beyond_the_naive_one(groups):
     n = 600  # divisible by 2 to 6: equal families
     base = np.array(correctness(n, 450))
     variant = base.copy()
-    variant[np.flatnonzero(base)[::25]] = False  # losses spread over every family: the design effect stays near 1
+    variant[np.flatnonzero(base)[::23]] = False  # losses spread over every family: the design effect stays near 1
     naive = stats.paired_comparison(base, variant)
     row = stats.paired_comparison(base, variant, families=[i % groups for i in range(n)])
     assert row["degrees_of_freedom"] == pytest.approx(groups - 1, abs=1e-6)

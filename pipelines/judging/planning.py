@@ -11,7 +11,8 @@ The model is the rule's own large-sample form: at look k the difference has vari
 deff_k = 1 + (m_k - 1) icc (m_k the size-weighted mean family size of the look's items; the rule's estimate of it
 is floored at 1, which costs declared families some power even when items are independent), the looks are nested (each
 look's estimate is the next one's plus an independent part), and look k passes when the difference clears -margin
-by the look's critical value (stats.look_alphas; Student's t on the Bell-McCaffrey degrees of freedom) times its
+by the look's critical value (stats.look_alphas; Student's t on the Bell-McCaffrey degrees of freedom, which the rule
+cuts where flips crowd into few families, stats.flip_spread_df: under one icc they crowd only by chance) times its
 standard error under the null (Tango's variance at -margin). A fixed seed makes it the same number on every machine;
 benchmarks/gate_operating.py prints it beside the simulated pass rate of the rule itself.
 """

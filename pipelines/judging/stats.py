@@ -9,7 +9,8 @@ families (one template, one kind of math) are not independent: a cluster-robust 
 (Miller 2024, arXiv 2411.00640; Bell & McCaffrey 2002), in which a family's gains cannot cancel its losses
 (paired_design_effect), shrinks the counts to their effective size before the interval is taken (Kish's effective
 sample size), and the limits use Student's t with the Bell-McCaffrey degrees
-of freedom (G - 1 for G equal families, fewer when one family dominates; Imbens & Kolesar 2016). One family
+of freedom (G - 1 for G equal families, fewer when one family dominates; Imbens & Kolesar 2016), or fewer still when
+the flips crowd into a few families (flip_spread_df; Satterthwaite 1946). One family
 leaves no between-family variance to estimate: zero degrees of freedom, the interval is all of [-1, 1], and the
 rule cannot pass. Looks at a growing number of items spend the false-pass rate
 with a spending function (Lan & DeMets 1983; Hwang, Shih & DeCani 1990) through group-sequential boundaries
@@ -164,7 +165,8 @@ def cluster_degrees_of_freedom(families: Sequence) -> float:
     """Bell-McCaffrey degrees of freedom of the CR2 variance of a mean: (sum lambda)^2 / sum lambda^2 over the
     eigenvalues of the G x G matrix whose quadratic form in i.i.d. errors that variance is. G - 1 for equal
     families, fewer when sizes differ (one family of 195 items and five singletons: about 1), 0 for one family.
-    Depends on the family sizes only, so it is known before any item is scored."""
+    Depends on the family sizes only, so it is known before any item is scored (the rule may take fewer:
+    flip_spread_df)."""
     return bell_mccaffrey_df(_family_labels(families)[1])
 
 
@@ -179,6 +181,26 @@ def bell_mccaffrey_df(sizes: np.ndarray) -> float:
     weighted = sizes**2 / (1 - sizes / n)
     frobenius = float(np.sum(sizes**2) + (np.sum(weighted) ** 2 - np.sum(weighted**2)) / n**2)
     return n * n / frobenius
+
+
+def flip_spread_df(flips_per_family: np.ndarray) -> float:
+    """Degrees of freedom the paired variance has when the flips crowd into a few families (inf when they do not).
+
+    Bell-McCaffrey's count assumes every family's items vary alike. When a quantization breaks a few families and
+    leaves the rest alone, the CR2 variance rests on those few families' totals: with 4-8 families whose flip
+    propensities vary with coefficient of variation 1.5, t on G - 1 passed a variant whose true drop is the margin
+    3.4-3.7 % of the time (budget 2.5 %; benchmarks/few_families.py). Satterthwaite's count for a working model in
+    which family g's total varies with its expected flips mu_g is (sum mu)^2 / sum mu^2. A family's flip count f is
+    near Poisson (E f^2 = mu^2 + mu), so ((sum f)^2 - sum f) / (sum f^2 - sum f) estimates it without the
+    downward bias of plugging f in, which would cut the count wherever families hold a flip or two; scaled by
+    (G - 1) / G so that flips spread as evenly as chance gives Bell-McCaffrey's G - 1, floored at 1. No family
+    with two flips: nothing says they crowd (inf). The rule takes the smaller of this and Bell-McCaffrey's."""
+    f = np.asarray(flips_per_family, float)
+    groups, total = len(f), float(f.sum())
+    excess = float(np.sum(f * f)) - total
+    if groups < 2 or excess <= 0:
+        return math.inf
+    return max(1.0, (total * total - total) / excess * (groups - 1) / groups)
 
 
 def spent_alpha(fraction: float, alpha: float, kind: str) -> float:
@@ -309,11 +331,16 @@ def paired_comparison(base: np.ndarray, variant: np.ndarray, *, families: Sequen
     effect, groups = paired_design_effect(base, variant, families)
     gained, lost = flip["wrong_to_correct"], flip["correct_to_wrong"]
     # families: the cluster-robust variance is itself uncertain, so the limits take t with the Bell-McCaffrey
-    # degrees of freedom (G - 1 for equal families), also when the estimated design effect comes out at 1: with
-    # few families that estimate is noisy, and switching to z there let clustered flips pass 5.6 % of the time.
-    # One family: 0 degrees of freedom, the interval is [-1, 1] (within-family variation says nothing about how
-    # another family would fare). Every item its own family: independent items, z.
-    df = round(cluster_degrees_of_freedom(families), 6) if families is not None and groups < n else None
+    # degrees of freedom (G - 1 for equal families), or fewer when the flips crowd into a few families
+    # (flip_spread_df), also when the estimated design effect comes out at 1: with few families that estimate is
+    # noisy, and switching to z there let clustered flips pass 5.6 % of the time. One family: 0 degrees of
+    # freedom, the interval is [-1, 1] (within-family variation says nothing about how another family would
+    # fare). Every item its own family: independent items, z.
+    df = None
+    if families is not None and groups < n:
+        labels, sizes = _family_labels(families)
+        spread = flip_spread_df(np.bincount(labels, weights=(base != variant).astype(float), minlength=len(sizes)))
+        df = round(min(bell_mccaffrey_df(sizes), spread), 6)
     # (rounded: compare.json's number gives the same interval when taken again)
     low, high = tango_interval(gained / effect, lost / effect, n / effect, confidence, df)
     # fp16's own accuracy, low end at the same confidence over its effective items: is there a signal to lose?
