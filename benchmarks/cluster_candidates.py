@@ -7,7 +7,9 @@ Pool: 600 items in 36 families, looks 200/400/600 (params.yaml's spending), marg
 by gate_operating.simulate and shuffled (the pool's hash order): at the margin with the families' flip propensities
 varying with coefficient of variation 1, 1.5 and 2 (the false-pass rate: budget 2.5 %, goal under clustering 3 %),
 and at a 2-point drop with independent items in declared families and with CV 1 (the power); and few_families.py's
-pool, 1,000 items in 4 or 8 families, looks 200/600/1000, at the margin with CV 1.5. Candidates:
+pool, 1,000 items in 4 or 8 families, looks 200/600/1000, at the margin with CV 1.5; and the pass rate of a variant as
+good as fp16 with very few flips (0.6 % in 4 families, 0.3 % in 36), independent: where a few flips share a family by
+chance, which the flips' Satterthwaite count reads as crowding. Candidates:
 - rule: the shipped one (stats.paired_comparison, sequential.accuracy_rule): Tango's interval at effective counts,
   design effect max(V(gains - losses), V(gains) + V(losses)) / V_iid, t on the smaller of the Bell-McCaffrey degrees
   of freedom and the flips' Satterthwaite count (stats.flip_spread_df);
@@ -46,7 +48,10 @@ CELLS = [("false pass, CV 1", -MARGIN, 1.0, FAMILIES, POOL), ("false pass, CV 1.
          ("false pass, 4 families, CV 1.5", -MARGIN, 1.5, 4, 1000),  # few_families.py's pool: 1,000 items
          ("false pass, 8 families, CV 1.5", -MARGIN, 1.5, 8, 1000),
          ("pass at -2 points, independent items", -0.02, 0.0, FAMILIES, POOL),
-         ("pass at -2 points, CV 1", -0.02, 1.0, FAMILIES, POOL)]
+         ("pass at -2 points, CV 1", -0.02, 1.0, FAMILIES, POOL),
+         # what the few-families fix costs where a few flips share a family by chance: an equal variant, independent
+         ("pass, equal with 0.6 % flips, 4 families", 0.0, 0.0, 4, 1000, 0.006),
+         ("pass, equal with 0.3 % flips, 36 families", 0.0, 0.0, FAMILIES, POOL, 0.003)]
 PASS, FAIL, OPEN = sequential.PASS, sequential.FAIL, sequential.UNDECIDED
 
 
@@ -174,14 +179,15 @@ CANDIDATES = {"rule": rule, "rule-bm": rule_bm, "before": before, "wild-rademach
               "pairs-t": pairs_t, "johnson": johnson, "score": score, "kurtosis-df": kurtosis_df}
 
 
-def cell(name: str, difference: float, cv: float, families: int, pool: int, runs: int, seed) -> dict:
-    """Pass / inconclusive / fail shares of one candidate in one cell."""
+def cell(name: str, difference: float, cv: float, families: int, pool: int, runs: int, seed,
+         rate: float | None = None) -> dict:
+    """Pass / inconclusive / fail shares of one candidate in one cell; `rate`: the flip rate, else the flip model's."""
     looks = sequential.plan(pool, 200, None, 3)
     alphas = stats.look_alphas(looks, 0.025, spending())
     rng = np.random.default_rng(seed)
     counts = {PASS: 0, OPEN: 0, FAIL: 0}
     for _ in range(runs):
-        base, variant, labels = simulate(rng, pool, difference, flip_rate_for(difference), families, cv=cv)
+        base, variant, labels = simulate(rng, pool, difference, rate or flip_rate_for(difference), families, cv=cv)
         order = rng.permutation(pool)
         base, variant, labels = base[order], variant[order], labels[order]
         decision = OPEN
@@ -201,11 +207,12 @@ def main() -> None:
     measured.add_arguments(parser, "cluster_candidates")
     args = parser.parse_args()
     seeds = np.random.SeedSequence(args.seed).spawn(len(CELLS))  # every candidate judges the same runs of a cell
-    jobs = [(name, what, diff, cv, g, pool, seed) for name in CANDIDATES
-            for (what, diff, cv, g, pool), seed in zip(CELLS, seeds)]
+    jobs = [(name, what, diff, cv, g, pool, seed, *rate) for name in CANDIDATES
+            for (what, diff, cv, g, pool, *rate), seed in zip(CELLS, seeds)]
     started = time.perf_counter()
     with ProcessPoolExecutor(args.workers) as pool:
-        results = list(pool.map(cell, *zip(*[(n, d, cv, g, size, args.runs, s) for n, _, d, cv, g, size, s in jobs])))
+        results = list(pool.map(cell, *zip(*[(n, d, cv, g, size, args.runs, s, (r or [None])[0])
+                                               for n, _, d, cv, g, size, s, *r in jobs])))
     seconds = time.perf_counter() - started
     by = {(name, what): r for (name, what, *_), r in zip(jobs, results)}
     header = ["candidate", *[cell[0] for cell in CELLS]]

@@ -4,7 +4,7 @@ reference): how often it passes a variant whose true drop is the margin, one as 
     .venv/bin/python benchmarks/few_families.py [--runs 2000] [--seed 0]
 
 Items of one family fail together, so the rule's interval takes a cluster-robust (CR2) design effect and Student's t
-with the Bell-McCaffrey degrees of freedom (judging/stats.py). With few families that variance estimate is itself
+with the Bell-McCaffrey degrees of freedom, or fewer where the flips crowd into few families (judging/stats.py). With few families that variance estimate is itself
 noisy; this measures what the rule does there. Each simulated run is made by gate_operating.simulate (each family's
 flip propensity drawn from a gamma with coefficient of variation 1: some families break, others do not) and judged
 by sequential.run_looks and verdict.judge, the functions compare and gate use; the same run is also judged with its

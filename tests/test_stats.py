@@ -12,7 +12,7 @@ from scipy import stats as sps
 from statsmodels.stats.contingency_tables import mcnemar
 from statsmodels.stats.power import NormalIndPower
 
-from pipelines.judging import sequential, stats
+from pipelines.judging import comparison, sequential, stats
 from tests.handmade import correctness
 
 N = 400
@@ -220,8 +220,31 @@ def test_flips_crowded_into_few_families_take_fewer_degrees_of_freedom():
     assert row["ci_low"] == pytest.approx(stats.tango_interval(0, 24 / effect, N / effect, 0.95,
                                                                df=row["degrees_of_freedom"])[0])
     assert row["ci_low"] < stats.tango_interval(0, 24 / effect, N / effect, 0.95, df=7)[0]
+    assert row["degrees_of_freedom_sizes"] == 7  # what the sizes allow, kept for the advice
+    gains = base.copy()  # gains count as flips too: 24 gains in the same two families
+    gains[np.arange(304, 400, 8)] = True
+    gains[np.arange(305, 400, 8)] = True
+    assert stats.paired_comparison(base, gains, families=families)["degrees_of_freedom"] == row["degrees_of_freedom"]
     assert stats.flip_spread_df([1, 1, 1, 0]) == math.inf  # no family with two flips: nothing says they crowd
     assert stats.flip_spread_df([5, 0, 0, 0]) == 1.0  # (25 - 5) / (25 - 5) x 3/4, floored at 1
+
+
+def test_two_flips_in_one_family_leave_one_degree_of_freedom_and_the_advice_says_why():
+    """The cost of the few-families fix: 600 items in 36 families, only 2 losses, both in one family, is as crowded
+    as flips can be (1 degree of freedom, floored), and the row stays undecided where the same 2 losses in two
+    families pass. The advice names the crowding rather than only asking for thousands of items."""
+    base = np.array(correctness(600, 450))
+    families = [f"f{i % 36}" for i in range(600)]
+    together, apart = base.copy(), base.copy()
+    together[[0, 36]] = False  # both in f0
+    apart[[0, 1]] = False  # f0 and f1
+    crowded, spread = (stats.paired_comparison(base, v, families=families, confidence=0.978) for v in (together, apart))
+    assert (crowded["degrees_of_freedom"], crowded["degrees_of_freedom_sizes"]) == (1.0, spread["degrees_of_freedom"])
+    assert sequential.accuracy_rule(crowded, 0.05)[0] == sequential.UNDECIDED
+    assert sequential.accuracy_rule(spread, 0.05)[0] == sequential.PASS
+    advice = comparison._more_items_advice(5000.0, crowded, 0.8, 600)
+    assert "the 2 flips crowd into some of the 36 families (t on 1.0 degrees of freedom, not the " in advice
+    assert "crowd" not in comparison._more_items_advice(5000.0, spread, 0.8, 600)
 
 
 # --- few families: one cannot pass, 2-5 are judged with CR2 and Bell-McCaffrey's t -------------------------------

@@ -171,13 +171,25 @@ def _more_items_advice(need: float | None, paired: dict, power: float, pool: int
     more = max(1, math.ceil(need) - paired["items"])
     if paired["items"] + more <= pool:
         return (f"about {more} more items would decide (at the observed discordance, power {power}): "
-                f"raise evaluate.max_items")
+                f"raise evaluate.max_items{_crowding(paired)}")
     if task:
         return (f"about {more} more items would decide (at the observed discordance, power {power}), more than "
-                f"task {task}'s {pool} evaluation docs hold")
+                f"task {task}'s {pool} evaluation docs hold{_crowding(paired)}")
     return (f"about {more} more items would decide (at the observed discordance, power {power}), more than the "
             f"{pool}-item pool holds: add items to the domain's eval/<domain>/items.jsonl, from more families "
-            f"if the flips cluster (design effect {paired['design_effect']:.1f})")
+            f"if the flips cluster (design effect {paired['design_effect']:.1f}){_crowding(paired)}")
+
+
+def _crowding(paired: dict) -> str:
+    """The advice's last words when the flips crowd into few families (stats.flip_spread_df cut the degrees of
+    freedom): the estimate above takes that cut as the pool's, and a few flips that happened to share a family
+    make it large, so the user learns why and what decides sooner."""
+    df, sizes_df = paired.get("degrees_of_freedom"), paired.get("degrees_of_freedom_sizes")
+    if df is None or sizes_df is None or df >= sizes_df:
+        return ""
+    return (f"; the {paired['wrong_to_correct'] + paired['correct_to_wrong']} flips crowd into some of the "
+            f"{paired['families']} families (t on {df:.1f} degrees of freedom, not the {sizes_df:.1f} their sizes "
+            f"allow), so items from more families, or more items that spread the flips, decide sooner")
 
 
 def not_checked_here(inputs: dict, memory_row: dict | None, judged_elsewhere: list[str],

@@ -336,10 +336,11 @@ def paired_comparison(base: np.ndarray, variant: np.ndarray, *, families: Sequen
     # noisy, and switching to z there let clustered flips pass 5.6 % of the time. One family: 0 degrees of
     # freedom, the interval is [-1, 1] (within-family variation says nothing about how another family would
     # fare). Every item its own family: independent items, z.
-    df = None
+    df = sizes_df = None
     if families is not None and groups < n:
         labels, sizes = _family_labels(families)
         spread = flip_spread_df(np.bincount(labels, weights=(base != variant).astype(float), minlength=len(sizes)))
+        sizes_df = round(bell_mccaffrey_df(sizes), 6)
         df = round(min(bell_mccaffrey_df(sizes), spread), 6)
     # (rounded: compare.json's number gives the same interval when taken again)
     low, high = tango_interval(gained / effect, lost / effect, n / effect, confidence, df)
@@ -359,6 +360,7 @@ def paired_comparison(base: np.ndarray, variant: np.ndarray, *, families: Sequen
         "families": groups,
         "design_effect": effect,
         "degrees_of_freedom": df,
+        "degrees_of_freedom_sizes": sizes_df,  # Bell-McCaffrey's: what df is when the flips do not crowd
         "effective_items": n / effect if n else 0.0,
         **flip,
         "mcnemar_p": mcnemar_exact(lost, gained),
