@@ -65,7 +65,7 @@ def pass_rate(looks: Sequence[int], sizes: Sequence[np.ndarray], *, drop: float,
     kind of flip, but the rule's own estimate of the effect then varies from pool to pool, and its low draws are
     where it passes; the two roughly cancel. Taking the difference's smaller correlation for the spread alone put the
     plan up to 21 points under the simulated pass rate at a 2-point drop in benchmarks/gate_operating.py's clustered
-    cells, where this one is within 2.5 points (the rule's cut of the degrees of freedom where flips crowd,
+    cells, where this one is within 2.6 points (the rule's cut of the degrees of freedom where flips crowd,
     stats.flip_spread_df, is not modelled: for equal variants under strong clustering it promises up to 8 points more)."""
     if not looks:
         return 0.0
