@@ -169,15 +169,16 @@ def _more_items_advice(need: float | None, paired: dict, power: float, pool: int
     if need is None:
         return "no number of items would decide at the observed difference"
     more = max(1, math.ceil(need) - paired["items"])
+    crowding = _crowding(paired)
     if paired["items"] + more <= pool:
         return (f"about {more} more items would decide (at the observed discordance, power {power}): "
-                f"raise evaluate.max_items{_crowding(paired)}")
+                f"raise evaluate.max_items{crowding}")
     if task:
         return (f"about {more} more items would decide (at the observed discordance, power {power}), more than "
-                f"task {task}'s {pool} evaluation docs hold{_crowding(paired)}")
+                f"task {task}'s {pool} evaluation docs hold{crowding}")
     return (f"about {more} more items would decide (at the observed discordance, power {power}), more than the "
             f"{pool}-item pool holds: add items to the domain's eval/<domain>/items.jsonl, from more families "
-            f"if the flips cluster (design effect {paired['design_effect']:.1f}){_crowding(paired)}")
+            f"if the flips cluster (design effect {paired['design_effect']:.1f}){crowding}")
 
 
 def _crowding(paired: dict) -> str:

@@ -340,8 +340,8 @@ def paired_comparison(base: np.ndarray, variant: np.ndarray, *, families: Sequen
     if families is not None and groups < n:
         labels, sizes = _family_labels(families)
         spread = flip_spread_df(np.bincount(labels, weights=(base != variant).astype(float), minlength=len(sizes)))
-        sizes_df = round(bell_mccaffrey_df(sizes), 6)
-        df = round(min(bell_mccaffrey_df(sizes), spread), 6)
+        by_sizes = bell_mccaffrey_df(sizes)
+        df, sizes_df = round(min(by_sizes, spread), 6), round(by_sizes, 6)
     # (rounded: compare.json's number gives the same interval when taken again)
     low, high = tango_interval(gained / effect, lost / effect, n / effect, confidence, df)
     # fp16's own accuracy, low end at the same confidence over its effective items: is there a signal to lose?
