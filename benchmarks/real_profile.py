@@ -130,6 +130,54 @@ def seed_incident(repo: Path, numbers: dict) -> None:
     run([str(BIN / "dvc"), "checkout", "--force"], repo)
 
 
+# issue 44: the checkpoints vLLM teams receive, beside the project's own variants (compressed-tensors' presets)
+CT_CANDIDATES = {"fp8-dynamic": ("FP8_DYNAMIC", "float-quantized"), "w8a8": ("W8A8", "int-quantized")}
+
+
+def add_ct_candidates(repo: Path, where: Path) -> dict:
+    """FP8-dynamic and W8A8 checkpoints of the profile's model, written by compressed-tensors' own ModelCompressor
+    (round-to-nearest scales: pipelines/checkpoints/compressed_tensors.py write_rtn) from the workspace's reference
+    in float32, the profile's precision, into `where`; added to the workspace's params.yaml as candidates and
+    committed there. The reference stage runs first (the GGUF dequantized: what the candidates are made from)."""
+    import yaml
+
+    run([str(BIN / "dvc"), "repro", "reference"], repo)
+    code = ("import sys, torch; from pipelines.checkpoints.compressed_tensors import preset, write_rtn; "
+            "write_rtn('models/reference', preset(sys.argv[1]), sys.argv[2], sys.argv[3], dtype=torch.float32)")
+    candidates = {}
+    for name, (scheme, fmt) in CT_CANDIDATES.items():
+        run([str(BIN / "python"), "-c", code, scheme, fmt, str(where / name)], repo)
+        candidates[name] = {"path": str(where / name)}
+    text = (repo / "params.yaml").read_text(encoding="utf-8")
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    data = yaml.safe_load(text)
+    data["candidates"] = candidates
+    (repo / "params.yaml").write_text(header + "# benchmarks/real_profile.py --ct-candidates added `candidates`\n"
+                                      + yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120))
+    git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
+    run([*git, "commit", "-qam", "compressed-tensors candidates (benchmarks/real_profile.py --ct-candidates)"], repo)
+    return {name: {"scheme": scheme, "format": fmt} for name, (scheme, fmt) in CT_CANDIDATES.items()}
+
+
+def ct_rows(repo: Path) -> dict:
+    """Per model of the run: its verdicts, footprint against theory and what serving holds, and the routing rows
+    it serves (what docs/real-model.md's compressed-tensors section shows)."""
+    report, memory = read_json(repo / "results/compare.json"), read_json(repo / "results/memory_summary.json")
+    table = read_json(repo / "results/routing_table.json")
+    out = {}
+    for name, entry in (report.get("variants") or {}).items():
+        mem = (memory.get("variants") or {}).get(name) or {}
+        out[name] = {"kind": entry.get("kind"), "verdicts": {d: r.get("verdict") for d, r in
+                                                              (entry.get("domains") or {}).items()},
+                     "footprint_bytes": mem.get("footprint_bytes"), "theory_bytes": mem.get("theoretical_weight_bytes"),
+                     "serving_tensor_bytes": mem.get("serving_tensor_bytes"),
+                     "kl_mean": {d: ((r.get("fidelity") or {}).get("kl") or {}).get("mean")
+                                 for d, r in (entry.get("domains") or {}).items()},
+                     "routed": sorted({f"{r['domain']}@{r['max_context_tokens']}" for r in table.get("rows", [])
+                                       if r.get("serve") == name})}
+    return out
+
+
 def decided(repo: Path) -> dict:
     """Per variant: the request types decided (pass or fail), inconclusive and without signal, against issue 37's goal
     (at least 3 of the 4 decided, none without signal)."""
@@ -184,6 +232,9 @@ def main() -> None:
     parser.add_argument("--no-fanned-out", dest="fanned_out", action="store_false",
                         help="skip the fanned-out run (its record stays): with --sequential, time only that")
     parser.add_argument("--seed-incident", action="store_true", help="then calibration.exclude=[code_comment]")
+    parser.add_argument("--ct-candidates", action="store_true",
+                        help="instead: a run with FP8-dynamic and W8A8 compressed-tensors candidates beside the variants "
+                             "(recorded in real_profile_ct.json, its results in docs/measured/<profile>-ct/)")
     measured.add_arguments(parser, "real_profile")
     args = parser.parse_args()
     if not args.fanned_out and (args.seed_incident or not args.sequential):
@@ -193,6 +244,19 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     note = f"Profile {args.profile} (profiles/{args.profile}.yaml) in fresh workspaces."
     try:
+        if args.ct_candidates:  # its own record and results: the timing run's stay as they are
+            numbers = {"profile": args.profile, "stages": {}}
+            repo = workspace(args.profile, work / "ct")
+            numbers["candidates"] = add_ct_candidates(repo, work / "ct-candidates")
+            timed_repro(repo, [str(BIN / "quantgate"), "repro"], "quantgate repro with compressed-tensors candidates",
+                        numbers, "fresh")
+            numbers["gate_exit"] = run([str(BIN / "quantgate"), "gate"], repo, check=False)[2]
+            numbers["decided"], numbers["models"] = decided(repo), ct_rows(repo)
+            if args.record:
+                copy_quoted(repo, args.record.parent / f"{args.profile}-ct")
+            measured.record(args.record and args.record.with_name("real_profile_ct.json"), "real_profile", numbers,
+                            note=note, commit=synced_from(repo))
+            return
         if args.fanned_out:
             numbers: dict = {"profile": args.profile, "goal_minutes": GOAL_MINUTES, "stages": {}}
             repo = workspace(args.profile, work / "fanned-out")

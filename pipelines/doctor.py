@@ -17,7 +17,7 @@ from pathlib import Path
 
 from pipelines.core.errors import QuantgateError
 from pipelines.diagnose.check import FAIL, OK, WARN, Check, guarded
-from pipelines.diagnose.devices import backend_checks, torch_checks
+from pipelines.diagnose.devices import backend_checks, compressed_tensors_check, torch_checks
 from pipelines.diagnose.model import disk_check, model_check
 from pipelines.diagnose.pools import pools_check
 from pipelines.diagnose.sandbox import sandbox_check
@@ -43,6 +43,7 @@ def run_checks(params_path: str | Path = "params.yaml") -> list[Check]:
     checks += torch_rows
     if params is not None:
         checks += backend_checks(params, device)
+        checks.append(guarded("compressed-tensors", compressed_tensors_check, params, device))
         checks.append(guarded("model", model_check, params))
         checks.append(guarded("disk", disk_check, params))
         checks.append(guarded("pools", pools_check, params))

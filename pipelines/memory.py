@@ -101,6 +101,9 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
         with library_call("forward (sweep)"):
             result["sweep"] = sweep(model, probe, lengths, p.decode_tokens, config.vocab_size, device, p.sweep_batch)
         result["sweep"]["theoretical_kv_bytes_per_token"] = kv_bytes_per_token(config, element)
+        # a loader may unpack weights at the first forward (transformers' compressed-tensors route does, to the
+        # model's dtype): what the model holds while it serves, beside what it held when loaded
+        result["load"]["tensor_bytes_after_forward"] = tensor_bytes(model)
         inject = Injection(leak_bytes_per_round, None if leak_rounds is None else p.warmup_rounds + leak_rounds)
         with library_call("forward (soak rounds)"):
             result["soak"] = soak(model, probe, p, max_len, config.vocab_size, device, inject)

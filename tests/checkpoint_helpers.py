@@ -117,36 +117,42 @@ def library_written(tiny_model, tiny_calibration, root):
     return {"awq": root / "awq", "gptq": root / "gptq", "gptq_v2": root / "gptq_v2", "int8": root / "int8"}
 
 
-def compressed_tensors_written(tiny_model, root):
-    """compressed-tensors pack-quantized int4 (group 32), symmetric and asymmetric, written by the library's own
-    ModelCompressor; llm-compressor (which drives it with GPTQ) does not install with the pins, so the scales
-    come from each group's min/max, as its RTN path does."""
-    import torch
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
-    from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def ct_schemes():
+    """{kind: (scheme, format)}: the compressed-tensors checkpoints the tests write, one per admitted format and
+    strategy (compressed-tensors' own presets where one exists: FP8_DYNAMIC, W8A8, FP8), and the asymmetric pack one
+    that transformers cannot load. The block is 48 x 48, so the tiny model's 64-wide layers end in a ragged block."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
+    def int_args(bits, strategy, symmetric=True, **kw):
+        return QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, **kw)
+
+    fp8_block = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[48, 48])
+    fp8_group = QuantizationArgs(num_bits=8, type="float", strategy="group", group_size=32, dynamic=True)
+    return {
+        "sym": ({"weights": int_args(4, "group", group_size=32)}, "pack-quantized"),
+        "asym": ({"weights": int_args(4, "group", False, group_size=32)}, "pack-quantized"),
+        "fp8_dynamic": (PRESET_SCHEMES["FP8_DYNAMIC"], "float-quantized"),
+        "w8a8": (PRESET_SCHEMES["W8A8"], "int-quantized"),
+        "fp8_static": (PRESET_SCHEMES["FP8"], "float-quantized"),
+        "fp8_block": ({"weights": fp8_block, "input_activations": fp8_group}, "float-quantized"),
+        "w8a8_asym": ({"weights": int_args(8, "channel", False),
+                       "input_activations": int_args(8, "token", False, dynamic=True)}, "int-quantized"),
+        "naive_int4": ({"weights": int_args(4, "group", group_size=32)}, "naive-quantized"),
+    }
+
+
+def compressed_tensors_written(tiny_model, root):
+    """One checkpoint per ct_schemes() kind, written by compressed-tensors' own ModelCompressor (through
+    pipelines/checkpoints/compressed_tensors.py write_rtn: round-to-nearest scales, as llm-compressor's RTN path)."""
+    import torch
+
+    from pipelines.checkpoints.compressed_tensors import write_rtn
     from pipelines.core import logs
 
     out = {}
-    for kind, symmetric in (("sym", True), ("asym", False)):
-        args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=32)
+    for kind, (scheme, fmt) in ct_schemes().items():
         with logs.library_output("test"):
-            model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float16)
-            apply_quantization_config(model, QuantizationConfig(
-                config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
-            for module in model.modules():
-                if hasattr(module, "weight_scale"):
-                    w = module.weight.detach().float().reshape(module.weight.shape[0], -1, 32)
-                    scale, zero = calculate_qparams(w.amin(-1), w.amax(-1), args)
-                    module.weight_scale.data.copy_(scale)
-                    module.weight_zero_point.data.copy_(zero)
-            compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
-            compressor.compress_model(model)
-            model.save_pretrained(root / kind)
-            compressor.update_config(str(root / kind))
-        AutoTokenizer.from_pretrained(tiny_model).save_pretrained(root / kind)
+            write_rtn(tiny_model, scheme, fmt, root / kind, dtype=torch.float16)
         out[kind] = root / kind
     return out

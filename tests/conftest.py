@@ -183,7 +183,8 @@ def direct_checkpoints(tmp_path_factory, tiny_model, tiny_calibration):
 
 @pytest.fixture(scope="session")
 def ct_checkpoints(tmp_path_factory, tiny_model):
-    """compressed-tensors pack-quantized int4, written by the library's own ModelCompressor."""
+    """compressed-tensors checkpoints, one per admitted format and strategy (tests/checkpoint_helpers.py ct_schemes),
+    written by the library's own ModelCompressor."""
     from tests.checkpoint_helpers import compressed_tensors_written
 
     return compressed_tensors_written(tiny_model, tmp_path_factory.mktemp("ct"))

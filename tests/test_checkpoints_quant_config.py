@@ -19,24 +19,20 @@ def test_compressed_tensors_asymmetric_is_refused_because_it_does_not_load(tmp_p
     with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"), logs.library_output("test"):
         AutoModelForCausalLM.from_pretrained(ct_checkpoints["asym"], device_map="cpu")
     assert reasons_of(ct_checkpoints["asym"], tiny_model)[0].startswith(
-        "config.json: compressed-tensors: asymmetric weights are not admitted")
+        "config.json: compressed-tensors: config_groups.group_0: asymmetric pack-quantized weights: transformers 5.24")
 
 
-def test_compressed_tensors_other_formats_are_refused(tmp_path, ct_checkpoints, tiny_model):
+def test_compressed_tensors_format_that_lies_fails(tmp_path, ct_checkpoints, tiny_model):
+    """Packed int4 tensors under a config that says naive-quantized (one int8 per weight): the group's own format
+    contradicts it; said in the group too, the tensors tell."""
     bad = broken_copy(ct_checkpoints["sym"], tmp_path / "c")
     edit_config(bad, lambda c: c["quantization_config"].update(format="naive-quantized"))
     assert reasons_of(bad, tiny_model) == [
-        "config.json: compressed-tensors format 'naive-quantized' (status 'compressed'): only 'pack-quantized', "
-        "'compressed' is admitted"]
-
-
-def test_compressed_tensors_activation_quantization_is_refused(tmp_path, ct_checkpoints, tiny_model):
-    bad = broken_copy(ct_checkpoints["sym"], tmp_path / "c")
-    edit_config(bad, lambda c: c["quantization_config"]["config_groups"]["group_0"].update(
-        input_activations={"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True}))
-    assert reasons_of(bad, tiny_model) == [
-        "config.json: compressed-tensors: config_groups.group_0 quantizes activations; only weight-only schemes "
-        "are admitted"]
+        "config.json: compressed-tensors: config_groups.group_0: format 'pack-quantized', but the config's format is "
+        "'naive-quantized' (only a 'mixed-precision' config may name another per group)"]
+    edit_config(bad, lambda c: c["quantization_config"]["config_groups"]["group_0"].update(format="naive-quantized"))
+    assert "tensor model.layers.0.self_attn.q_proj.weight: missing (its compressed-tensors scheme and the base layer " \
+           "(64 -> 64) imply I8[64, 64])" in reasons_of(bad, tiny_model)
 
 
 def test_other_quantization_methods_are_refused(tmp_path, direct_checkpoints, tiny_model):

@@ -66,6 +66,17 @@ def test_cheapest_passing_variant_serves_each_domain(results):
         assert r["serve"] == "fp16" or r["evidence"]["ci_low"] >= -0.05
 
 
+def test_weights_unpacked_at_the_first_forward_cost_what_serving_holds(results):
+    """A compressed-tensors candidate that transformers unpacks to float16 at its first forward saves nothing while
+    it serves, whatever its load footprint: routing costs it at what serving holds (memory's serving_tensor_bytes)."""
+    rows = {n: memory_row(n) for n in ("fp16", "int8", "awq4", "gptq3")}
+    rows["int8"]["serving_tensor_bytes"] = FOOTPRINT["fp16"] + 4096
+    write_memory(results, rows)
+    math_row = row(build(results, ["int8", "awq4", "gptq3"]), "math", 256)
+    assert math_row["serve"] == "fp16"
+    assert route.cost_bytes(rows["int8"], 256) == FOOTPRINT["fp16"] + 4096 + 512 * 256
+
+
 def test_fp16_serves_when_nothing_passes(results):
     table = build(results, ["gptq3"])
     r = row(table, "math", 64)

@@ -45,7 +45,9 @@ def candidate_manifest(name: str, path: str, base_dir: str, report: dict, copy: 
                          ("float16", "bfloat16", "float32") else "float16",
                          "settings": {"method": report["method"], "bits": report["bits"],
                                       "group_size": report["group_size"],
-                                      "checkpoint_format": report["checkpoint_format"]},
+                                      "checkpoint_format": report["checkpoint_format"],
+                                      **({"forward": report["forward"]} if report.get("forward") else {})},
+                         "theoretical_weight_bytes": report.get("theoretical_weight_bytes"),
                          "disk_bytes": disk_bytes(copy), "files": report["files"]})
     else:
         manifest.update({"status": "failed", "method": report.get("method"), "reasons": report["reasons"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from pipelines.checkpoints import compressed_tensors
 from pipelines.checkpoints.context import Candidate
 
 METHODS = {"gptq": "gptq", "awq": "awq", "bitsandbytes": "bnb-int8", "compressed-tensors": "compressed-tensors"}
@@ -166,7 +167,7 @@ def quant_settings(config: dict, docs: dict) -> tuple[dict, list[str]]:
         first, qc = "config.json", sources["config.json"]
     where = f"{source_name(first)}"
     if method == "compressed-tensors":
-        return compressed_tensors_settings(qc)
+        return compressed_tensors.settings(qc)
     if method not in METHODS:
         return {}, [f"{where}: quant_method {method!r} is not one of {sorted(METHODS)}"]
     if method == "bitsandbytes":
@@ -187,47 +188,6 @@ def quant_settings(config: dict, docs: dict) -> tuple[dict, list[str]]:
         if fmt != "gemm":
             return {}, [f"{where}: AWQ version {qc.get('version')!r}: only GEMM packing is admitted"]
     return {"method": METHODS[method], "bits": bits, "group_size": group, "checkpoint_format": fmt}, []
-
-
-def compressed_tensors_settings(qc: dict) -> tuple[dict, list[str]]:
-    """llm-compressor's format as vLLM serves it: weight-only int4/int8, pack-quantized, one weight scheme.
-
-    Activation quantization, sparsity, transforms and the other formats (naive, float, nvfp4, ...) are
-    refused: each changes what the tensors mean, and none of them can be written and loaded here to test.
-    """
-    where = "config.json: compressed-tensors"
-    if qc.get("format") != "pack-quantized" or qc.get("quantization_status") != "compressed":
-        return {}, [f"{where} format {qc.get('format')!r} (status {qc.get('quantization_status')!r}): only "
-                    "'pack-quantized', 'compressed' is admitted"]
-    if qc.get("sparsity_config") or qc.get("transform_config") or qc.get("kv_cache_scheme"):
-        return {}, [f"{where}: sparsity, transforms and kv-cache quantization are not admitted"]
-    groups = qc.get("config_groups") or {}
-    if not isinstance(groups, dict):
-        return {}, [f"{where}: config_groups is a {type(groups).__name__}, not a JSON object"]
-    schemes = []
-    for name, scheme in groups.items():
-        if not isinstance(scheme, dict):
-            return {}, [f"{where}: config_groups.{name} is a {type(scheme).__name__}, not a JSON object"]
-        if scheme.get("input_activations") or scheme.get("output_activations"):
-            return {}, [f"{where}: config_groups.{name} quantizes activations; only weight-only schemes are admitted"]
-        if scheme.get("format") not in (None, "pack-quantized"):
-            return {}, [f"{where}: config_groups.{name} format {scheme.get('format')!r} is not 'pack-quantized'"]
-        weights = scheme.get("weights") or {}
-        if not isinstance(weights, dict):
-            return {}, [f"{where}: config_groups.{name}.weights is a {type(weights).__name__}, not a JSON object"]
-        schemes.append(weights)
-    if not schemes or any(w != schemes[0] for w in schemes):
-        return {}, [f"{where}: config_groups must hold one weight scheme (found {len(set(map(str, schemes)))})"]
-    w = schemes[0]
-    bits, strategy, group = w.get("num_bits"), w.get("strategy"), w.get("group_size")
-    if w.get("type") != "int" or bits not in (4, 8) or w.get("dynamic") or strategy not in ("group", "channel") \
-            or (strategy == "group" and (not isinstance(group, int) or group <= 0)):
-        return {}, [f"{where}: weights {w}: only static int 4/8-bit, group or channel strategy is admitted"]
-    if not w.get("symmetric", True):  # the compressor packs zero points that the loader then expects unpacked
-        return {}, [f"{where}: asymmetric weights are not admitted: transformers 5.24 with compressed-tensors "
-                    "0.20.0 cannot load the packed weight_zero_point that compressed-tensors writes (size mismatch)"]
-    return {"method": "compressed-tensors", "bits": bits, "group_size": group if strategy == "group" else -1,
-            "checkpoint_format": "pack-quantized"}, []
 
 
 def quantization(c: Candidate) -> list[str]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipelines.checkpoints import compressed_tensors
 from pipelines.checkpoints.context import Candidate
 
 # method -> (the tensor that marks a layer as quantized, that layer's scale tensor)
@@ -38,10 +39,6 @@ def packed_shapes(q: dict, n_in: int, n_out: int) -> dict[str, tuple[str, tuple[
     if method == "awq":
         return {"qweight": ("I32", (n_in, n_out * bits // 32)), "qzeros": ("I32", (groups, n_out * bits // 32)),
                 "scales": ("F16", (groups, n_out))}
-    if method == "compressed-tensors":  # weight [out, in] packed along in; zero points packed along out
-        # symmetric only (compressed_tensors_settings): no weight_zero_point
-        return {"weight_packed": ("I32", (n_out, -(-n_in * bits // 32))), "weight_scale": ("F16", (n_out, groups)),
-                "weight_shape": ("I64", (2,))}
     return {"weight": ("I8", (n_out, n_in)), "SCB": ("F32", (n_out,))}
 
 
@@ -53,34 +50,62 @@ class TensorPlan:
     g_idx_groups: dict[str, int] = field(default_factory=dict)  # g_idx tensor -> number of groups
     scales: dict[str, bool] = field(default_factory=dict)  # scale tensor -> whether 0 is a valid value
     shape_values: dict[str, list[int]] = field(default_factory=dict)  # compressed-tensors weight_shape -> [out, in]
+    int_ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # int8-stored tensor -> its bits' range
+    theory: dict[str, int] = field(default_factory=dict)  # weight bytes the format implies (memory's theory)
     quantized_layers: int = 0
 
 
-def plan_tensors(tensors: dict[str, tuple[str, dict]], q: dict, base_dir: str) -> TensorPlan:
-    """Names, dtypes and shapes against the base model and the quantization format; the value checks to run."""
+def quantized_layers(tensors: dict, q: dict, linears: dict, base_dir: str) -> tuple[dict[str, dict], dict, list[str]]:
+    """({Linear module: {suffix: (dtypes allowed, shape)}} of every layer the format quantizes, {int8-stored
+    tensor: the range its bits allow}, reasons).
+
+    compressed-tensors says which layers in its config (targets minus ignore); the other formats mark a
+    quantized layer by its packed tensor, since their writers may leave any layer unquantized.
+    """
+    method = q["method"]
+    if method == "compressed-tensors":
+        schemes, reasons = compressed_tensors.layer_schemes(q, base_dir)
+        return ({m: compressed_tensors.layer_tensors(s, *linears[m]) for m, s in schemes.items()},
+                {k: v for m, s in schemes.items() for k, v in compressed_tensors.int_ranges(s, m).items()}, reasons)
+    marker_name, scale_name = MARKERS[method]
+    layers = {}
+    for module, (n_in, n_out) in linears.items():
+        if method != "none" and f"{module}.{marker_name}" in tensors:
+            layers[module] = {suffix: ({dtype, "BF16", "F32"} if suffix == scale_name and method != "bnb-int8"
+                                       else {dtype}, shape)  # a float scale is written in the model's dtype
+                              for suffix, (dtype, shape) in packed_shapes(q, n_in, n_out).items()}
+    return layers, {}, []
+
+
+def plan_tensors(tensors: dict[str, tuple[str, dict]], q: dict, base_dir: str, dtype: str = "float16") -> TensorPlan:
+    """Names, dtypes and shapes against the base model and the quantization format; the value checks to run,
+    and the weight bytes the format implies (`dtype`: the config's, that of every float tensor)."""
     params, linears, tied = base_shapes(base_dir)
     method, bits, group = q["method"], q["bits"], q["group_size"]
-    marker_name, scale_name = MARKERS[method]
+    scale_name = MARKERS[method][1]
     plan = TensorPlan()
     # name -> (dtypes allowed, shape, what implies it); a quantized layer's packed tensors replace its weight
     expected = {name: (set(FLOAT_DTYPES), shape, "the base model has") for name, shape in params.items()}
     optional = {"lm_head.weight"} if tied else set()
-    for module, (n_in, n_out) in linears.items():
-        if method == "none" or f"{module}.{marker_name}" not in tensors:
-            continue
+    layers, plan.int_ranges, plan.reasons = quantized_layers(tensors, q, linears, base_dir)
+    for module, layer in layers.items():
+        n_in, n_out = linears[module]
         plan.quantized_layers += 1
         expected.pop(f"{module}.weight", None)
         why = f"quantization_config (bits={bits}, group_size={group}) and the base layer ({n_in} -> {n_out}) imply"
-        for suffix, (dtype, shape) in packed_shapes(q, n_in, n_out).items():
-            float_scale = suffix == scale_name and method != "bnb-int8"  # written in the model's dtype
-            expected[f"{module}.{suffix}"] = ({dtype, "BF16", "F32"} if float_scale else {dtype}, shape, why)
+        if method == "compressed-tensors":
+            why = f"its compressed-tensors scheme and the base layer ({n_in} -> {n_out}) imply"
+        for suffix, (dtypes, shape) in layer.items():
+            expected[f"{module}.{suffix}"] = (dtypes, shape, why)
         if method == "gptq":
             plan.g_idx_groups[f"{module}.g_idx"] = -(-n_in // group) if group > 0 else 1
-        if method == "compressed-tensors":
+        if "weight_shape" in layer:
             plan.shape_values[f"{module}.weight_shape"] = [n_out, n_in]
         # bitsandbytes' SCB is a row's absmax (0 for an all-zero row); GPTQ, AWQ and compressed-tensors
         # keep every group's scale above 0
         plan.scales[f"{module}.{scale_name}"] = method == "bnb-int8"
+        if "input_scale" in layer:  # a static activation scheme's: above 0 too
+            plan.scales[f"{module}.input_scale"] = False
         if method == "bnb-int8":
             expected[f"{module}.weight_format"] = ({"U8"}, (), "bitsandbytes writes")
             optional.add(f"{module}.weight_format")
@@ -102,7 +127,28 @@ def plan_tensors(tensors: dict[str, tuple[str, dict]], q: dict, base_dir: str) -
         if name not in expected:
             plan.reasons.append(f"{shard}: unexpected tensor {name} {entry['dtype']}{entry['shape']} "
                                 f"(neither in the base model nor part of the {method} format)")
+    plan.theory = weight_theory({n: e for n, e in expected.items() if n not in optional}, layers, dtype)
     return plan
+
+
+BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+         compressed_tensors.FP8: 1}
+DTYPE_NAMES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+
+def weight_theory(expected: dict, layers: dict, dtype: str) -> dict[str, int]:
+    """Weight bytes the format implies, every scale, zero-point and index tensor included: what the memory stage
+    sets the load footprint against (as quantize.theoretical_weight_bytes does for the pipeline's own variants).
+    A tensor a float dtype may hold counts at the config's dtype, in which the writers store it."""
+    quantized = unquantized = 0
+    for name, (dtypes, shape, _) in expected.items():
+        one = min(dtypes) if len(dtypes) == 1 else DTYPE_NAMES.get(dtype, "F16")
+        size = BYTES[one] * int(torch.Size(shape).numel())
+        if name.rsplit(".", 1)[0] in layers:
+            quantized += size
+        else:
+            unquantized += size
+    return {"quantized_layers": quantized, "unquantized": unquantized, "total": quantized + unquantized}
 
 
 
@@ -127,6 +173,14 @@ class ValueCheck:
                     self._add(shard, name, "negative scale values", int((values < 0).sum()))
                 else:
                     self._add(shard, name, "scale values <= 0", int((values <= 0).sum()))
+        elif dtype == compressed_tensors.FP8:  # E4M3 has no inf; NaN is S.1111.111 (torch.float8_e4m3fn)
+            values = torch.frombuffer(view, dtype=torch.uint8)
+            self._add(shard, name, "NaN values", int(((values & 0x7F) == 0x7F).sum()))
+        elif name in self.plan.int_ranges and dtype in INT_DTYPES:
+            values = torch.frombuffer(view, dtype=INT_DTYPES[dtype])
+            low, high = self.plan.int_ranges[name]
+            self._add(shard, name, f"values outside [{low}, {high}] (the scheme's bits)",
+                      int(((values < low) | (values > high)).sum()))
         elif name in self.plan.g_idx_groups and dtype in INT_DTYPES:
             values = torch.frombuffer(view, dtype=INT_DTYPES[dtype])
             groups = self.plan.g_idx_groups[name]
@@ -149,6 +203,8 @@ class ValueCheck:
 
 def tensors_match_base(c: Candidate) -> list[str]:
     """Check: every tensor is the base model's or its quantized form (sets c.plan, the value checks to run)."""
-    c.plan = plan_tensors(c.tensors, c.quant, c.base_dir)
-    c.details.update({"tensors": len(c.tensors), "shards": len(c.shards), "quantized_layers": c.plan.quantized_layers})
+    dtype = str((c.config or {}).get("dtype") or (c.config or {}).get("torch_dtype") or "float16")
+    c.plan = plan_tensors(c.tensors, c.quant, c.base_dir, dtype)
+    c.details.update({"tensors": len(c.tensors), "shards": len(c.shards), "quantized_layers": c.plan.quantized_layers,
+                      "theoretical_weight_bytes": c.plan.theory})
     return c.plan.reasons

@@ -20,11 +20,22 @@ _NO_CUDA = re.compile(r"CUDA is not available|Torch not compiled with CUDA|No CU
 _MODEL_FAILURE = re.compile(r"out of memory|\bnan\b|\binf\b", re.IGNORECASE)
 
 
+class CannotRunHere(Exception):
+    """The installed libraries cannot run this checkpoint's format on this machine, as a probe just showed (the
+    doctor runs the same probe): 'could not measure', with the remedy, never the model's failure."""
+
+    def __init__(self, reason: str, remedy: str):
+        super().__init__(reason)
+        self.remedy = remedy
+
+
 def environment_cause(err: BaseException) -> dict | None:
     """{"cause": "environment", "reason", "remedy"} when `err` says a library, kernel or device is missing on this
     machine, and the machine agrees (the module really cannot be found; CUDA really is unavailable); None when the
     failure is the model's own (any other exception, out of memory and NaN included)."""
     message = f"{type(err).__name__}: {err}".strip()
+    if isinstance(err, CannotRunHere):
+        return {"cause": ENVIRONMENT, "reason": str(err), "remedy": err.remedy}
     if isinstance(err, ImportError):
         missing = (getattr(err, "name", None) or "").split(".")[0]
         if not missing or _importable(missing):  # a module that is there but fails to import is a bug, not the machine

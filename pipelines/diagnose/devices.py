@@ -183,3 +183,35 @@ def _gptq_kernel(label: str, have: list[str], settings: list, device: str | None
 
 
 KERNELS = {"none": _baseline_kernel, "bnb-int8": _int8_kernel, "awq": _awq_kernel, "gptq": _gptq_kernel}
+
+
+def compressed_tensors_check(params, device: str | None) -> Check:
+    """Which compressed-tensors formats this machine evaluates as served (a checkpoint of each, written by the
+    library, loaded and run on `device`: pipelines/checkpoints/compressed_tensors.py), and the candidates it affects."""
+    import json
+
+    from pipelines.checkpoints.compressed_tensors import evaluable_formats
+
+    label = "compressed-tensors"
+    if device is None:
+        return Check(label, WARN, NO_DEVICE)
+    ct = []  # candidates whose config.json says compressed-tensors (their format is checked at admission)
+    for name, cand in params.candidates.items():
+        config = Path(cand.path) / "config.json"
+        try:
+            method = (json.loads(config.read_text()).get("quantization_config") or {}).get("quant_method")
+        except (OSError, ValueError, AttributeError):
+            continue  # admission says what is wrong with it
+        if method == "compressed-tensors":
+            ct.append(name)
+    formats = evaluable_formats(device)
+    runs = [f for f, why in formats.items() if why is None]
+    fails = {f: why for f, why in formats.items() if why is not None}
+    detail = (f"{', '.join(runs) or 'no format'} load and run on {device} through compressed-tensors' own forward "
+              "(as served: activations quantized where the scheme says)")
+    if ct:
+        detail += f" (candidates {', '.join(ct)})"
+    if fails:
+        return Check(label, WARN, detail + "; not on this machine: " + "; ".join(f"{f}: {w}" for f, w in fails.items())
+                     + ": a candidate in those formats is 'could not measure'", "run on a device that runs them")
+    return Check(label, OK, detail)

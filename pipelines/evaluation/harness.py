@@ -19,7 +19,7 @@ from pipelines.core.paths import EVAL_DIR
 from pipelines.core.timing import library_call
 from pipelines.evaluation import fidelity, standard_tasks
 from pipelines.evaluation.plans import PLACEHOLDERS, check_items, probe_items, row_of
-from pipelines.models.loading import load_variant
+from pipelines.models.loading import load_variant, variant_manifest
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +259,9 @@ def evaluate_variant(variant_dir: str, plans: dict[str, dict], p, device: str, f
     try:
         check_items({d: plans[d]["probe"] for d in domains})
         model, tokenizer = load_variant(variant_dir, device, max_memory)
+        forward = (variant_manifest(variant_dir).get("settings") or {}).get("forward")
+        if forward:  # which forward ran (compressed-tensors: load_variant checked the loaded model runs it)
+            result["forward"] = forward
         if tokenizer.pad_token is None:  # HFLM batches need one; say so rather than fail deep inside
             tokenizer.pad_token = tokenizer.eos_token
             result["note"] = "tokenizer had no pad token; eos is used for padding"

@@ -85,6 +85,8 @@ def _memory_summary(row: dict | None, base: dict | None) -> dict | None:
                                    "growth_bytes_per_request", "leak", "oom", "fitted_bytes_per_token",
                                    "theoretical_kv_bytes_per_token", "fragmentation", "growth_class",
                                    "growth_cause")}
+    if "serving_tensor_bytes" in row:  # the forward unpacked weights (memory.py): what serving holds
+        out["serving_tensor_bytes"] = row["serving_tensor_bytes"]
     if base and base.get("status") == "ok":
         out["footprint_delta_bytes"] = row["footprint_bytes"] - base["footprint_bytes"]
         out["peak_delta_by_tokens"] = {t: (p - base["peak_by_tokens"].get(t)) if usable(p) and usable(base["peak_by_tokens"].get(t)) else None

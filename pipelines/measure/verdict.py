@@ -131,6 +131,9 @@ def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = BASELIN
                "growth_class": (r.get("growth_cause") or {}).get("class"),
                "growth_cause": describe(name, r.get("growth_cause")),
                "growth_excess_pct": None}
+        after = r["load"].get("tensor_bytes_after_forward")
+        if after is not None and after != r["load"]["tensor_bytes"]:  # only where the forward unpacked weights
+            row["serving_tensor_bytes"] = after
         projected = projected_growth(r, p)
         if base_ok and projected is not None and base_growth is not None:
             row["growth_excess_pct"] = 100 * (projected - base_growth) / base["load"]["footprint_bytes"]

@@ -277,6 +277,10 @@ def load_variant(variant_dir: str | Path, device: str = "cpu", max_memory: dict 
         device_map, budget = device_map_for(method, device, torch.cuda.device_count(), gpu_budget(max_memory, totals))
         if device_map != device and budget is not None:
             check_budget(weights_on_disk(location), budget, f"variant {manifest.get('variant', Path(location).name)}")
+    if method == "compressed-tensors":  # a format these libraries cannot run here: could not measure, not a failure
+        from pipelines.checkpoints.compressed_tensors import check_runs_here
+
+        check_runs_here(manifest, device)
     with library_output(method), library_call("load checkpoint"):
         if method == "gptq":  # transformers needs optimum for GPTQ; GPTQModel loads its own format
             from gptqmodel import GPTQModel
@@ -289,9 +293,16 @@ def load_variant(variant_dir: str | Path, device: str = "cpu", max_memory: dict 
             model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, device_map=device_map)
         elif device_map != device:  # bnb-int8 across GPUs: transformers sizes the int8 layers itself
             model = AutoModelForCausalLM.from_pretrained(location, device_map=device_map, max_memory=budget)
-        else:  # bnb-int8 and awq: transformers reads quantization_config (AWQ runs on GPTQModel's kernels)
-            model = AutoModelForCausalLM.from_pretrained(location, device_map=device)
+        else:  # bnb-int8, awq, compressed-tensors: transformers reads quantization_config (AWQ runs on GPTQModel's
+            model = AutoModelForCausalLM.from_pretrained(location, device_map=device)  # kernels)
         tokenizer = AutoTokenizer.from_pretrained(location)
+    if method == "compressed-tensors":  # evaluated as served: activations quantized as the scheme says
+        from pipelines.checkpoints.compressed_tensors import check_served
+
+        try:
+            check_served(model, manifest)
+        except RuntimeError as err:
+            raise VariantFailed(f"variant {manifest.get('variant', variant_dir)} is not evaluated as served: {err}") from None
     model.eval()
     return model, tokenizer
 

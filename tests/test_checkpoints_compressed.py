@@ -1,0 +1,227 @@
+"""compressed-tensors checkpoints as vLLM teams receive them (FP8-dynamic, W8A8, static FP8, block FP8, naive and
+packed int): written by the library's own ModelCompressor, admitted when sound, refused naming the tensor when a
+writer broke one thing; and evaluated as served, with activations quantized as the scheme says."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipelines.checkpoints import admission
+from pipelines.checkpoints.compressed_tensors import check_served
+from pipelines.core import logs
+from pipelines.models.loading import VariantFailed, load_variant
+from tests.checkpoint_helpers import broken_copy, edit_config, edit_tensors, reasons_of
+
+GOOD = {  # kind -> (format, bits, group size, what the forward says of the input activations)
+    "sym": ("pack-quantized", 4, 32, "activations in full precision"),
+    "fp8_dynamic": ("float-quantized", 8, -1, "input activations fp8 (E4M3) per token, dynamic"),
+    "w8a8": ("int-quantized", 8, -1, "input activations int8 per token, dynamic"),
+    "fp8_static": ("float-quantized", 8, -1, "input activations fp8 (E4M3) per tensor, static"),
+    "fp8_block": ("float-quantized", 8, -1, "input activations fp8 (E4M3) per group of 32, dynamic"),
+    "w8a8_asym": ("int-quantized", 8, -1, "input activations int8 per token, asymmetric, dynamic"),
+    "naive_int4": ("naive-quantized", 4, 32, "activations in full precision"),
+}
+Q = "model.layers.0.self_attn.q_proj"
+
+
+def tensor_bytes_in_file(folder) -> int:
+    from safetensors import safe_open
+
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        return sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
+
+
+@pytest.mark.parametrize("kind", sorted(GOOD))
+def test_library_written_compressed_tensors_checkpoints_are_admitted(ct_checkpoints, tiny_model, kind):
+    report = admission.validate(ct_checkpoints[kind], str(tiny_model))
+    assert report["admitted"], report["reasons"]
+    fmt, bits, group, acts = GOOD[kind]
+    assert (report["checkpoint_format"], report["bits"], report["group_size"]) == (fmt, bits, group)
+    assert report["quantized_layers"] == 7 and acts in report["forward"]
+    # the memory theory counts every tensor the scheme stores (scales, zero points, packed words, static input
+    # scales, a ragged block's scale): exactly the bytes the library wrote
+    assert report["theoretical_weight_bytes"]["total"] == tensor_bytes_in_file(ct_checkpoints[kind])
+
+
+def test_the_block_grid_covers_a_ragged_edge(ct_checkpoints, tiny_model):
+    """48 x 48 blocks over a 64 x 64 weight: 2 x 2 scales, the last row and column of blocks ragged."""
+    from safetensors import safe_open
+
+    with safe_open(ct_checkpoints["fp8_block"] / "model.safetensors", "pt") as f:
+        assert f.get_slice(f"{Q}.weight_scale").get_shape() == [2, 2]
+        assert f.get_slice("model.layers.0.mlp.down_proj.weight_scale").get_shape() == [2, 3]  # 64 x 128
+
+
+@pytest.mark.parametrize("kind, name, change, reason", [
+    ("w8a8", "a channel scale of a per-tensor shape", lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"][:1, 0]}),
+     f"model.safetensors: tensor {Q}.weight_scale: F16[1] but its compressed-tensors scheme and the base layer "
+     "(64 -> 64) imply BF16/F16/F32[64, 1]"),
+    ("fp8_block", "a block grid that misses the ragged edge", lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"][:1, :1].clone()}),
+     f"model.safetensors: tensor {Q}.weight_scale: F16[1, 1] but its compressed-tensors scheme and the base layer "
+     "(64 -> 64) imply BF16/F16/F32[2, 2]"),
+    ("fp8_dynamic", "FP8 weights stored as float16", lambda t: t.update({f"{Q}.weight": t[f"{Q}.weight"].to(torch.float16)}),
+     f"model.safetensors: tensor {Q}.weight: F16[64, 64] but its compressed-tensors scheme and the base layer "
+     "(64 -> 64) imply F8_E4M3[64, 64]"),
+    ("fp8_static", "a static activation scheme without its input scale", lambda t: t.pop(f"{Q}.input_scale"),
+     f"tensor {Q}.input_scale: missing (its compressed-tensors scheme and the base layer (64 -> 64) imply "
+     "BF16/F16/F32[1])"),
+    ("w8a8_asym", "an asymmetric scheme without its zero points", lambda t: t.pop(f"{Q}.weight_zero_point"),
+     f"tensor {Q}.weight_zero_point: missing (its compressed-tensors scheme and the base layer (64 -> 64) imply I8[64, 1])"),
+    ("fp8_dynamic", "a NaN scale", lambda t: t[f"{Q}.weight_scale"].__setitem__((3, 0), float("nan")),
+     f"model.safetensors: tensor {Q}.weight_scale: 1 NaN/inf values"),
+    ("w8a8", "a zero scale", lambda t: t[f"{Q}.weight_scale"].__setitem__((5, 0), 0.0),
+     f"model.safetensors: tensor {Q}.weight_scale: 1 scale values <= 0"),
+    ("fp8_static", "a negative input scale", lambda t: t[f"{Q}.input_scale"].__setitem__(0, -0.05),
+     f"model.safetensors: tensor {Q}.input_scale: 1 scale values <= 0"),
+    ("fp8_dynamic", "a NaN FP8 weight", lambda t: t.update({f"{Q}.weight": torch.where(
+        torch.arange(64 * 64).reshape(64, 64) < 2, torch.tensor(float("nan")), t[f"{Q}.weight"].float()).to(torch.float8_e4m3fn)}),
+     f"model.safetensors: tensor {Q}.weight: 2 NaN values"),
+    ("naive_int4", "an int4 value outside its range in an int8 byte", lambda t: t[f"{Q}.weight"].__setitem__((0, 0), 9),
+     f"model.safetensors: tensor {Q}.weight: 1 values outside [-8, 7] (the scheme's bits)"),
+])
+def test_a_broken_tensor_is_refused_naming_it(tmp_path, ct_checkpoints, tiny_model, kind, name, change, reason):
+    bad = broken_copy(ct_checkpoints[kind], tmp_path / "c")
+    edit_tensors(bad / "model.safetensors", change)
+    assert reasons_of(bad, tiny_model) == [reason], name
+
+
+@pytest.mark.parametrize("kind, change, reason", [
+    ("fp8_dynamic", lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}),
+     "config.json: compressed-tensors: kv_cache_scheme {\"num_bits\": 8, \"strategy\": \"tensor\", \"type\": \"float\"}: "
+     "a quantized KV cache has no check here"),
+    ("fp8_dynamic", lambda q: q.update(format="nvfp4-pack-quantized"),
+     "config.json: compressed-tensors: format 'nvfp4-pack-quantized': only float-quantized, int-quantized, "
+     "naive-quantized, pack-quantized (or mixed-precision of them) are checked"),
+    ("w8a8", lambda q: q.update(transform_config={"config_groups": {"R1": {"type": "hadamard"}}}),
+     "config.json: compressed-tensors: transform_config {\"config_groups\": {\"R1\": {\"type\": \"hadamard\"}}}: "
+     "transforms (rotations) has no check here"),
+    ("w8a8", lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="tensor_group"),
+     "config.json: compressed-tensors: config_groups.group_0.weights: weight strategy 'tensor_group': only tensor, "
+     "channel, group, block are checked"),
+    ("w8a8", lambda q: q["config_groups"]["group_0"]["input_activations"].update(dynamic=False),
+     "config.json: compressed-tensors: config_groups.group_0.input_activations: static 'token' activations: only "
+     "dynamic per-token, per-group and per-tensor, and static per-tensor, are checked"),
+    ("w8a8", lambda q: q["config_groups"]["group_0"]["weights"].update(actorder="group"),
+     "config.json: compressed-tensors: config_groups.group_0.weights: actorder 'group': no check for it here"),
+    ("fp8_dynamic", lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=4),
+     "config.json: compressed-tensors: config_groups.group_0.weights: float 4-bit weights (NVFP4, MXFP4, FP6): "
+     "no check for it here"),
+    ("fp8_dynamic", lambda q: q["config_groups"]["group_0"].update(output_activations={"num_bits": 8}),
+     "config.json: compressed-tensors: config_groups.group_0: output_activations {'num_bits': 8}: no check for it here"),
+    ("w8a8", lambda q: q.update(quantization_status="frozen"),
+     "config.json: compressed-tensors: quantization_status 'frozen': only 'compressed' checkpoints are checked (a "
+     "'frozen' one stores float weights that the loader would quantize again)"),
+])
+def test_what_has_no_check_is_refused_by_name(tmp_path, ct_checkpoints, tiny_model, kind, change, reason):
+    bad = broken_copy(ct_checkpoints[kind], tmp_path / "c")
+    edit_config(bad, lambda c: change(c["quantization_config"]))
+    assert reasons_of(bad, tiny_model)[0].startswith(reason)
+
+
+def test_ignore_and_targets_follow_the_library(tmp_path, ct_checkpoints, tiny_model):
+    """A layer the config ignores must be stored as the base model's float weight; one it targets, quantized."""
+    bad = broken_copy(ct_checkpoints["w8a8"], tmp_path / "c")
+    edit_config(bad, lambda c: c["quantization_config"].update(ignore=["lm_head", "re:.*q_proj$"]))
+    assert reasons_of(bad, tiny_model) == [
+        f"model.safetensors: tensor {Q}.weight: I8[64, 64] but the base model has BF16/F16/F32/F64[64, 64]",
+        f"model.safetensors: unexpected tensor {Q}.weight_scale F16[64, 1] (neither in the base model nor part of "
+        "the compressed-tensors format)"]
+
+
+def kl_to(reference, model, ids) -> float:
+    with torch.no_grad():
+        ref = torch.log_softmax(reference(ids).logits.float(), -1)
+        got = torch.log_softmax(model(ids).logits.float(), -1)
+    return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("kind", ["fp8_dynamic", "w8a8"])
+def test_evaluated_as_served_with_activations_quantized(tmp_path, ct_checkpoints, tiny_model, kind):
+    """load_variant (every stage's loader) runs compressed-tensors' own forward: its logits differ from the same
+    checkpoint with its weights dequantized and full-precision activations, and are further from the float model."""
+    from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+    manifest = admission.admit(kind, str(ct_checkpoints[kind]), str(tiny_model), tmp_path)
+    assert "quantized in every forward" in manifest["settings"]["forward"]
+    served, tok = load_variant(tmp_path / kind)
+    with logs.library_output("test"):
+        weights_only = AutoModelForCausalLM.from_pretrained(tmp_path / kind, device_map="cpu",
+                                                            quantization_config=CompressedTensorsConfig(dequantize=True))
+        reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    ids = tok("def add(a, b):\n    # sum of two numbers\n    return a + b\n12+30=", return_tensors="pt").input_ids
+    assert kl_to(reference, served, ids) > 1.5 * kl_to(reference, weights_only, ids) > 0
+    with pytest.raises(RuntimeError, match="admission counted 7"):  # dequantize=True: no layer quantizes anything
+        check_served(weights_only, manifest)
+    served.model.layers[0].mlp.up_proj.quantization_enabled = False
+    with pytest.raises(RuntimeError, match="mlp.up_proj: the loaded layer does not run compressed-tensors' quantized"):
+        check_served(served, manifest)
+
+
+def test_a_scheme_the_loader_changed_is_not_evaluated(tmp_path, ct_checkpoints, tiny_model):
+    """The manifest is what admission checked; a config edited after admission loads another scheme: refused."""
+    admission.admit("w8a8", str(ct_checkpoints["w8a8"]), str(tiny_model), tmp_path)
+    edit_config(tmp_path / "w8a8", lambda c: c["quantization_config"]["config_groups"]["group_0"].update(
+        input_activations=None))
+    with pytest.raises(VariantFailed, match="is not evaluated as served: .*q_proj: loaded with weights"):
+        load_variant(tmp_path / "w8a8")
+
+
+def test_the_doctor_lists_the_formats_this_machine_evaluates(ct_checkpoints, monkeypatch):
+    """Each format's checkpoint is written, loaded and run here; one that does not run is named with why."""
+    from types import SimpleNamespace
+
+    from pipelines.checkpoints import compressed_tensors
+    from pipelines.diagnose import check, devices
+
+    params = SimpleNamespace(candidates={"vendor-fp8": SimpleNamespace(path=str(ct_checkpoints["fp8_dynamic"])),
+                                         "elsewhere": SimpleNamespace(path="/no/such/folder")})
+    got = devices.compressed_tensors_check(params, "cpu")
+    assert got.status == check.OK and got.detail.startswith(
+        "float-quantized, int-quantized, naive-quantized, pack-quantized load and run on cpu") \
+        and got.detail.endswith("(candidates vendor-fp8)")
+    # NVFP4 (float 4-bit weights with a global scale) is not admitted; probed, it does not run here: named, a warning
+    monkeypatch.setitem(compressed_tensors.PROBES, "nvfp4-pack-quantized", ("NVFP4A16", "nvfp4-pack-quantized"))
+    got = devices.compressed_tensors_check(params, "cpu")
+    assert got.status == check.WARN and "not on this machine: nvfp4-pack-quantized: NVFP4A16: " in got.detail
+
+
+def test_memory_sets_the_footprint_against_the_formats_theory(tmp_path, ct_checkpoints, tiny_model):
+    """Loaded, an FP8 candidate holds what its theory says (fp8 weights and one fp16 scale per channel); transformers'
+    compressed-tensors route unpacks the weights to float16 at the first forward, and the memory row says what
+    serving then holds (routing costs it at that)."""
+    from pipelines import memory
+    from pipelines.measure import verdict
+    from tests.test_memory import FAST
+
+    manifest = admission.admit("fp8", str(ct_checkpoints["fp8_dynamic"]), str(tiny_model), tmp_path)
+    r = memory.measure_isolated(str(tmp_path / "fp8"), FAST, "cpu")
+    theory = manifest["theoretical_weight_bytes"]
+    assert r["status"] == "ok" and r["load"]["theoretical_weight_bytes"] == theory["total"]
+    assert 0 <= r["load"]["footprint_bytes"] - theory["total"] <= 256  # + the rotary embedding's buffer
+    from safetensors import safe_open
+
+    with safe_open(ct_checkpoints["fp8_dynamic"] / "model.safetensors", "pt") as f:  # the fp8 weights: 1 byte each
+        fp8_weights = sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys()
+                          if f.get_slice(k).get_dtype() == "F8_E4M3")
+    # unpacked to float16, every fp8 weight costs a second byte; the scales stay
+    assert r["load"]["tensor_bytes_after_forward"] - r["load"]["tensor_bytes"] == fp8_weights
+    row = verdict.summarize({"fp8": r}, FAST, baseline="fp16")["variants"]["fp8"]
+    assert row["serving_tensor_bytes"] == r["load"]["tensor_bytes_after_forward"]
+
+
+def test_a_format_this_machine_cannot_run_is_could_not_measure(tmp_path, ct_checkpoints, tiny_model, monkeypatch,
+                                                                request):
+    """The probe load_variant runs first fails for the format (here: an NVFP4 checkpoint standing in for the FP8
+    probe, which does not run on a CPU): the error is the machine's (environment), so the rows are 'could not
+    measure' with the remedy, never the candidate's failure and never a pass."""
+    from pipelines.checkpoints import compressed_tensors
+    from pipelines.core.errors import ENVIRONMENT, CannotRunHere, environment_cause
+
+    admission.admit("fp8", str(ct_checkpoints["fp8_dynamic"]), str(tiny_model), tmp_path)
+    monkeypatch.setitem(compressed_tensors.PROBES, "float-quantized", ("NVFP4A16", "nvfp4-pack-quantized"))
+    compressed_tensors._probe.cache_clear()
+    request.addfinalizer(compressed_tensors._probe.cache_clear)  # the real probe again for the worker's next tests
+    with pytest.raises(CannotRunHere, match="compressed-tensors float-quantized does not run on cpu") as err:
+        load_variant(tmp_path / "fp8")
+    assert environment_cause(err.value)["cause"] == ENVIRONMENT and "doctor" in err.value.remedy
