@@ -110,9 +110,17 @@ def main() -> None:
                 f"{row['tensor_bytes_after_forward']:,}" if row["admitted"] else f"refused: {row['reasons'][0][:110]}"),
                 flush=True)
     fp16 = sum(t.numel() * 2 for t in reference.state_dict().values())
+    header = ["checkpoint (preset)", "format", "admitted", "mean KL, as served", "mean KL, weights only",
+              "theory (bytes)", "loaded (tensor bytes)", "after the first forward"]
+    table = [[kind, r["format"], "yes" if r["admitted"] else "refused: " + r["reasons"][0].split(": ", 3)[-1][:170],
+              *([f"{r['kl_served']:.5f}", f"{r['kl_weights_only']:.5f}", f"{r['theory_bytes']:,}",
+                 f"{r['loaded_tensor_bytes']:,}", f"{r['tensor_bytes_after_forward']:,}"] if r["admitted"] else
+                [""] * 5)] for kind, r in rows.items()]
     measured.record(args.record, "compressed_tensors_formats",
-                    {"model_dir": args.model_dir, "texts": len(texts), "fp16_tensor_bytes": fp16, "rows": rows},
-                    note="Each format written by compressed-tensors' ModelCompressor with round-to-nearest scales.")
+                    {"model_dir": args.model_dir, "texts": len(texts), "fp16_tensor_bytes": fp16, "header": header,
+                     "rows": table, "by_checkpoint": rows},
+                    note=f"{args.model_dir}, {len(texts)} fidelity texts; KL against the model itself in float32; the "
+                         f"float16 model holds {fp16:,} tensor bytes.")
 
 
 if __name__ == "__main__":

@@ -178,6 +178,23 @@ def ct_rows(repo: Path) -> dict:
     return out
 
 
+def ct_table(models: dict) -> tuple[list[str], list[list[str]]]:
+    """The rows docs/real-model.md renders (numbers:measured-table real_profile_ct)."""
+    domains = sorted({d for m in models.values() for d in m["verdicts"]})
+    header = ["model", *[f"{d}: verdict (KL mean)" for d in domains], "footprint (tensor bytes)", "theory",
+              "held after the first forward", "routed (type@tokens)"]
+
+    def num(x):
+        return "" if x is None else f"{x:,}"
+
+    rows = [[f"{name} ({m['kind']})",
+             *[f"{m['verdicts'].get(d, '')}" + (f" ({m['kl_mean'][d]:.3f})" if m["kl_mean"].get(d) is not None else "")
+               for d in domains],
+             num(m["footprint_bytes"]), num(m["theory_bytes"]), num(m["serving_tensor_bytes"]) or "same",
+             ", ".join(m["routed"]) or "none"] for name, m in models.items()]
+    return header, rows
+
+
 def decided(repo: Path) -> dict:
     """Per variant: the request types decided (pass or fail), inconclusive and without signal, against issue 37's goal
     (at least 3 of the 4 decided, none without signal)."""
@@ -252,6 +269,7 @@ def main() -> None:
                         numbers, "fresh")
             numbers["gate_exit"] = run([str(BIN / "quantgate"), "gate"], repo, check=False)[2]
             numbers["decided"], numbers["models"] = decided(repo), ct_rows(repo)
+            numbers["header"], numbers["rows"] = ct_table(numbers["models"])
             if args.record:
                 copy_quoted(repo, args.record.parent / f"{args.profile}-ct")
             measured.record(args.record and args.record.with_name("real_profile_ct.json"), "real_profile", numbers,

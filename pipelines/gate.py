@@ -202,6 +202,8 @@ def render_report(result: dict, report: dict | None, table: dict | None, policy_
                                 f"{_fmt((fid.get('kl') or {}).get('p99'), '.3g')} | ")
                              + ("not measured here |" if "memory" in not_here else f"{_fmt(growth, '+.2f')} % |"))
         lines.append("")
+        forwards = [(n, (report["variants"].get(n) or {}).get("forward")) for n in result["gated"]]
+        lines += [f"{n} was evaluated with {f}." for n, f in forwards if f] + ([""] if any(f for _, f in forwards) else [])
     elsewhere = {n: (report or {}).get("variants", {}).get(n, {}).get("evidence") for n in result["gated"]}
     base = ((report or {}).get("fp16") or {}).get("evidence")
     if any(elsewhere.values()) or base:  # evaluated elsewhere (pipelines/evaluation/sample_logs.py, endpoints.py)

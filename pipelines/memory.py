@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from pipelines.core import logs
+from pipelines.core.errors import environment_cause
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params_sections import MemoryParams
 from pipelines.core.timing import library_call
@@ -125,7 +126,7 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
                 log.info("memory %s: %s", result["variant"], line)
     except Exception as err:  # noqa: BLE001 - a variant that fails to load is that variant's result
         logging.getLogger().error("memory %s failed", variant_dir, exc_info=True)
-        result.update({"status": "failed", "error": f"{type(err).__name__}: {err}"[:2000]})
+        result.update({"status": "failed", "error": f"{type(err).__name__}: {err}"[:2000], **(environment_cause(err) or {})})
     finally:
         probe.close()
         gc.unfreeze()  # (above: in the stage's isolated child; a caller that measures in its own process keeps its gc)

@@ -21,8 +21,7 @@ from pipelines.models.loading import weights_sha256
 
 
 def cost_bytes(memory: dict | None, tokens: int) -> float | None:
-    """Memory one request costs: footprint (or, where the forward unpacked the weights, what serving holds, if
-    more) plus KV bytes per token (measured, else theoretical) x tokens."""
+    """Memory one request costs: footprint plus KV bytes per token (measured, else theoretical) x tokens."""
     if not memory or not usable(memory.get("footprint_bytes")):
         return None
     per_token = memory.get("fitted_bytes_per_token")
@@ -30,7 +29,7 @@ def cost_bytes(memory: dict | None, tokens: int) -> float | None:
         per_token = memory.get("theoretical_kv_bytes_per_token")
     if not usable(per_token):
         return None
-    return max(memory["footprint_bytes"], memory.get("serving_tensor_bytes") or 0) + per_token * tokens
+    return memory["footprint_bytes"] + per_token * tokens
 
 
 def provenance(name: str, variants_dir: Path, compare_row: dict | None) -> dict:

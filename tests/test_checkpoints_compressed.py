@@ -4,6 +4,8 @@ writer broke one thing; and evaluated as served, with activations quantized as t
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -89,13 +91,19 @@ def test_a_broken_tensor_is_refused_naming_it(tmp_path, ct_checkpoints, tiny_mod
 @pytest.mark.parametrize("kind, change, reason", [
     ("fp8_dynamic", lambda q: q.update(kv_cache_scheme={"num_bits": 8, "type": "float", "strategy": "tensor"}),
      "config.json: compressed-tensors: kv_cache_scheme {\"num_bits\": 8, \"strategy\": \"tensor\", \"type\": \"float\"}: "
-     "a quantized KV cache has no check here"),
+     "a quantized KV cache is refused: compressed-tensors 0.20 does not hook transformers 5.24's attention"),
+    ("w8a8", lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=128),
+     "config.json: compressed-tensors: config_groups.group_0.weights: Value error, group_size requires strategy to be "
+     "set to 'group' (compressed-tensors 0.20's QuantizationConfig refuses it)"),
+    ("naive_int4", lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=48),
+     "config.json: compressed-tensors: config_groups.group_0.weights: group_size 48 does not divide "
+     "model.layers.0.self_attn.q_proj's 64 inputs (compressed-tensors 0.20 cannot run a ragged last group)"),
     ("fp8_dynamic", lambda q: q.update(format="nvfp4-pack-quantized"),
      "config.json: compressed-tensors: format 'nvfp4-pack-quantized': only float-quantized, int-quantized, "
      "naive-quantized, pack-quantized (or mixed-precision of them) are checked"),
     ("w8a8", lambda q: q.update(transform_config={"config_groups": {"R1": {"type": "hadamard"}}}),
      "config.json: compressed-tensors: transform_config {\"config_groups\": {\"R1\": {\"type\": \"hadamard\"}}}: "
-     "transforms (rotations) has no check here"),
+     "transforms (rotations) have no check here"),
     ("w8a8", lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="tensor_group"),
      "config.json: compressed-tensors: config_groups.group_0.weights: weight strategy 'tensor_group': only tensor, "
      "channel, group, block are checked"),
@@ -117,6 +125,30 @@ def test_what_has_no_check_is_refused_by_name(tmp_path, ct_checkpoints, tiny_mod
     bad = broken_copy(ct_checkpoints[kind], tmp_path / "c")
     edit_config(bad, lambda c: change(c["quantization_config"]))
     assert reasons_of(bad, tiny_model)[0].startswith(reason)
+
+
+@pytest.mark.parametrize("actorder", ["static", "weight"])
+def test_gptq_activation_ordering_that_stores_nothing_is_admitted_and_served(tmp_path, ct_checkpoints, tiny_model,
+                                                                              actorder):
+    """llm-compressor's GPTQ writes `actorder: static` by default: columns reordered while quantizing, nothing more
+    stored; the checkpoint is admitted and loads through the served forward. `group` (a weight_g_idx) is refused."""
+    ok = broken_copy(ct_checkpoints["w8a8"], tmp_path / "c")
+    edit_config(ok, lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(actorder=actorder))
+    manifest = admission.admit("w8a8", str(ok), str(tiny_model), tmp_path / "admitted")
+    assert manifest["status"] == "ok", manifest.get("reasons")
+    load_variant(tmp_path / "admitted/w8a8")
+
+
+def test_a_kv_cache_scheme_stays_refused_while_the_library_cannot_hook_attention(tiny_model):
+    """The refusal's reason, kept true: compressed-tensors 0.20 finds no cached attention in transformers 5.24's
+    Llama (its forward takes `cache`, not `past_key_value(s)`), so a KV scheme would not be applied here. When a
+    release recognises it, this fails: then check k_scale/v_scale and admit it."""
+    from compressed_tensors.quantization.lifecycle.initialize import is_cached_attention_module
+    from transformers import AutoModelForCausalLM
+
+    with logs.library_output("test"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    assert not is_cached_attention_module(model.model.layers[0].self_attn)
 
 
 def test_ignore_and_targets_follow_the_library(tmp_path, ct_checkpoints, tiny_model):
@@ -210,18 +242,18 @@ def test_memory_sets_the_footprint_against_the_formats_theory(tmp_path, ct_check
     assert row["serving_tensor_bytes"] == r["load"]["tensor_bytes_after_forward"]
 
 
-def test_a_format_this_machine_cannot_run_is_could_not_measure(tmp_path, ct_checkpoints, tiny_model, monkeypatch,
-                                                                request):
-    """The probe load_variant runs first fails for the format (here: an NVFP4 checkpoint standing in for the FP8
-    probe, which does not run on a CPU): the error is the machine's (environment), so the rows are 'could not
-    measure' with the remedy, never the candidate's failure and never a pass."""
+def test_a_scheme_this_machine_cannot_run_is_could_not_measure(tmp_path, ct_checkpoints, tiny_model, monkeypatch):
+    """load_variant first probes the candidate's own scheme on the device; when that fails, the error is the
+    machine's (environment), so the rows are 'could not measure' with the remedy, never the candidate's failure and
+    never a pass. Every admitted scheme runs on this CPU, so the probe's answer is replaced here with the one NVFP4
+    gives for real (the doctor's test below runs it)."""
     from pipelines.checkpoints import compressed_tensors
     from pipelines.core.errors import ENVIRONMENT, CannotRunHere, environment_cause
 
     admission.admit("fp8", str(ct_checkpoints["fp8_dynamic"]), str(tiny_model), tmp_path)
-    monkeypatch.setitem(compressed_tensors.PROBES, "float-quantized", ("NVFP4A16", "nvfp4-pack-quantized"))
-    compressed_tensors._probe.cache_clear()
-    request.addfinalizer(compressed_tensors._probe.cache_clear)  # the real probe again for the worker's next tests
-    with pytest.raises(CannotRunHere, match="compressed-tensors float-quantized does not run on cpu") as err:
+    assert compressed_tensors.check_runs_here(json.loads((tmp_path / "fp8/quantgate.json").read_text()), "cpu") is None
+    monkeypatch.setattr(compressed_tensors, "probe", lambda device, scheme, fmt: "RuntimeError: expected m1 and m2 "
+                        "to have the same dtype, but got: float != c10::BFloat16")
+    with pytest.raises(CannotRunHere, match="compressed-tensors group_0 does not run on cpu .*: RuntimeError") as err:
         load_variant(tmp_path / "fp8")
     assert environment_cause(err.value)["cause"] == ENVIRONMENT and "doctor" in err.value.remedy

@@ -20,12 +20,25 @@ FORMATS = {"float-quantized": ("float",), "int-quantized": ("int",), "naive-quan
 WEIGHT_STRATEGIES = ("tensor", "channel", "group", "block")
 # activation strategy -> whether it may be static (scales in the file) and dynamic (computed per forward)
 ACTIVATION_STRATEGIES = {"token": (False, True), "tensor": (True, True), "group": (False, True)}
-# QuantizationArgs fields (compressed_tensors/quantization/quant_args.py): the first are checked, the observer
-# ones only steer calibration; the rest change what is stored or how it is read, and have no check here
+# QuantizationArgs fields (compressed_tensors/quantization/quant_args.py): the first are checked; the observer
+# ones only steer calibration, and GPTQ's activation ordering `weight`/`static` (llm-compressor's default) reorders
+# columns while quantizing and stores nothing more; the rest change what is stored or how it is read (`actorder:
+# group` stores a weight_g_idx, scale_dtype/zp_dtype other dtypes), and have no check here
 ARGS_CHECKED = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic"}
 ARGS_CALIBRATION = {"observer", "observer_kwargs"}
+ACTORDER_STORING_NOTHING = (None, False, "weight", "static")
 SCHEME_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
 FP8 = "F8_E4M3"  # safetensors' name for torch.float8_e4m3fn
+# config keys that change what is stored or run, with why each is refused
+NOT_CHECKED = {
+    "sparsity_config": "sparsity has no check here",
+    "transform_config": "transforms (rotations) have no check here",
+    # compressed-tensors 0.20 recognises an attention module to hook by a `past_key_value(s)` argument, which
+    # transformers 5.24's attention no longer takes (it takes `cache`): neither its writer nor transformers' loader
+    # applies the scheme, so the model would run, and be judged, with a float cache the server does not have
+    "kv_cache_scheme": "a quantized KV cache is refused: compressed-tensors 0.20 does not hook transformers 5.24's "
+                       "attention (is_cached_attention_module), so the evaluation here would run an unquantized cache",
+}
 FLOAT_SCALE = {"F16", "BF16", "F32"}
 WHERE = "config.json: compressed-tensors"
 
@@ -34,7 +47,8 @@ def _args(where: str, raw, role: str) -> tuple[dict | None, list[str]]:
     """One QuantizationArgs, normalised to the fields the checks read; or why it has no check here."""
     if not isinstance(raw, dict):
         return None, [f"{where} is a {type(raw).__name__}, not a JSON object"]
-    unchecked = sorted(k for k, v in raw.items() if k not in ARGS_CHECKED | ARGS_CALIBRATION and v not in (None, False))
+    unchecked = sorted(k for k, v in raw.items() if k not in ARGS_CHECKED | ARGS_CALIBRATION and v not in (None, False)
+                       and not (k == "actorder" and v in ACTORDER_STORING_NOTHING))
     if unchecked:
         return None, [f"{where}: {', '.join(f'{k} {raw[k]!r}' for k in unchecked)}: no check for it here"]
     a = {"type": raw.get("type", "int"), "num_bits": raw.get("num_bits", 8), "strategy": raw.get("strategy"),
@@ -77,11 +91,9 @@ def settings(qc: dict) -> tuple[dict, list[str]]:
     if status != "compressed":
         return {}, [f"{WHERE}: quantization_status {status!r}: only 'compressed' checkpoints are checked (a 'frozen' "
                     "one stores float weights that the loader would quantize again)"]
-    for key, what in (("sparsity_config", "sparsity"), ("transform_config", "transforms (rotations)"),
-                      ("kv_cache_scheme", "a quantized KV cache")):
+    for key, why in NOT_CHECKED.items():
         if qc.get(key) not in (None, {}, []):
-            return {}, [f"{WHERE}: {key} {json.dumps(qc[key], sort_keys=True)[:200]}: {what} has no check here "
-                        "(compressed-tensors 0.20's ModelCompressor writes none to test one against)"]
+            return {}, [f"{WHERE}: {key} {json.dumps(qc[key], sort_keys=True)[:200]}: {why}"]
     ignore, groups = qc.get("ignore") or [], qc.get("config_groups")
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         return {}, [f"{WHERE}: ignore {ignore!r} is not a list of module names or re: patterns"]
@@ -96,6 +108,9 @@ def settings(qc: dict) -> tuple[dict, list[str]]:
         schemes[name] = scheme
     if reasons:
         return {}, reasons
+    reasons = library_refuses(qc)  # after the checks above, whose reasons are more precise
+    if reasons:
+        return {}, reasons
     bits = sorted({s["weights"]["num_bits"] for s in schemes.values()})
     groups_ = sorted({s["weights"]["group_size"] or -1 for s in schemes.values()})
     formats = sorted({s["format"] for s in schemes.values()})
@@ -103,6 +118,21 @@ def settings(qc: dict) -> tuple[dict, list[str]]:
             "group_size": groups_[0] if len(groups_) == 1 else groups_,
             "checkpoint_format": formats[0] if len(formats) == 1 else formats,
             "schemes": schemes, "ignore": ignore, "forward": forward_of(schemes)}, []
+
+
+def library_refuses(qc: dict) -> list[str]:
+    """What compressed-tensors' own model of the config refuses (a group size on a channel strategy, a block shape on
+    a group one, ...): the loader would stop on it, so admission does first, with the library's words."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from pydantic import ValidationError
+
+    try:
+        QuantizationConfig.model_validate({k: v for k, v in qc.items() if k in QuantizationConfig.model_fields})
+    except ValidationError as err:  # the first error; a union's other branches (a list of targets) add only noise
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"] if "[" not in str(part))
+        return [f"{WHERE}: {where}: {first['msg']} (compressed-tensors 0.20's QuantizationConfig refuses it)"]
+    return []
 
 
 def _scheme(where: str, raw, fmt: str) -> tuple[dict | None, list[str]]:
@@ -220,6 +250,11 @@ def layer_schemes(q: dict, base_dir: str) -> tuple[dict[str, dict], list[str]]:
                 reasons.append(f"{WHERE}: {module} is targeted by config_groups.{found[module][0]} and .{name}")
             else:
                 found[module] = (name, s)
+                for role, a in (("weights", s["weights"]), ("input_activations", s["input_activations"])):
+                    if a is not None and a["strategy"] == "group" and m.in_features % a["group_size"]:
+                        reasons.append(f"{WHERE}: config_groups.{name}.{role}: group_size {a['group_size']} does not "
+                                       f"divide {module}'s {m.in_features} inputs (compressed-tensors 0.20 cannot run a "
+                                       "ragged last group)")
     if not found and not reasons:
         reasons.append(f"{WHERE}: no config group's targets match a Linear layer of the base model "
                        f"(targets {[s['targets'] for s in q['schemes'].values()]}, ignore {q['ignore']})")
@@ -231,16 +266,17 @@ def _key(weights: dict | None, inputs: dict | None) -> str:
 
 
 def check_runs_here(manifest: dict, device: str) -> None:
-    """Raise CannotRunHere when this machine's libraries cannot run the candidate's format (the doctor's probe)."""
+    """Raise CannotRunHere when this machine's libraries cannot run one of the candidate's own schemes (a tiny
+    checkpoint of it written, loaded and run: `probe`)."""
     from pipelines.core.errors import CannotRunHere
 
-    fmts = (manifest.get("settings") or {}).get("checkpoint_format")
-    fails = {f: why for f, why in evaluable_formats(device, set(fmts if isinstance(fmts, list) else [fmts])).items()
-             if why}
+    fails = {name: why for name, s in ((manifest.get("validation") or {}).get("schemes") or {}).items()
+             if (why := probe(device, json.dumps({"weights": s["weights"], "input_activations": s["input_activations"]},
+                                                 sort_keys=True), s["format"]))}
     if fails:
         raise CannotRunHere(f"compressed-tensors {', '.join(fails)} does not run on {device} with the installed "
-                            f"libraries: {'; '.join(fails.values())}", "run it where `quantgate doctor`'s "
-                            "compressed-tensors row lists its format, or drop the candidate")
+                            f"libraries: {'; '.join(fails.values())}", "run it where it runs (`quantgate doctor` lists "
+                            "the formats this machine runs), or drop the candidate")
 
 
 def check_served(model, manifest: dict) -> str:
@@ -261,7 +297,8 @@ def check_served(model, manifest: dict) -> str:
         # functools.wraps renames it; after the first forward compressed-tensors' offload wrapper calls it
         function = getattr(m, "_original_forward_func", None) or getattr(m.forward, "__func__", None)
         code = getattr(function, "__code__", None)
-        if getattr(m, "quantization_enabled", True) is False or getattr(code, "co_name", "") != "quantized_forward":
+        if getattr(m, "quantization_enabled", True) is False or getattr(code, "co_name", "") != "quantized_forward" \
+                or getattr(m, "quantization_status", None) is None:  # quantized_forward quantizes nothing without it
             raise RuntimeError(f"{name}: the loaded layer does not run compressed-tensors' quantized forward")
         loaded = [None if a is None else _args(name, a.model_dump(), role)[0]
                   for a, role in ((scheme.weights, "weights"), (scheme.input_activations, "activations"))]
@@ -327,43 +364,53 @@ def write_rtn(base_dir, scheme: dict, fmt: str, out, dtype=None, input_scale: fl
         AutoTokenizer.from_pretrained(base_dir).save_pretrained(out)
 
 
-def evaluable_formats(device: str, formats=None) -> dict[str, str | None]:
-    """{format: None if this machine runs it, else why not} (`formats`: those only), probed once per process:
-    memory.py loads twice and measures the second load, which the probe must not fall inside."""
-    return dict(_probe(device, tuple(f for f in PROBES if formats is None or f in formats)))
+def evaluable_formats(device: str) -> dict[str, str | None]:
+    """{format: None if this machine runs its PROBES preset, else why not}: the doctor's row."""
+    out = {}
+    for fmt, (name, save_as) in PROBES.items():
+        scheme = {role: preset(name)[role].model_dump(mode="json") for role in ("weights", "input_activations")
+                  if preset(name).get(role) is not None}
+        why = probe(device, json.dumps(scheme, sort_keys=True), save_as)
+        out[fmt] = why and f"{name}: {why}"
+    return out
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(device: str, formats: tuple[str, ...]) -> tuple[tuple[str, str | None], ...]:
-    """Each PROBES checkpoint of a tiny random Llama, written by ModelCompressor, loaded by transformers on `device`
-    and run through compressed-tensors' forward (the doctor's row; load_variant probes a candidate's formats before
-    loading it: one that fails here is 'could not measure'). The caller's random state is left as it was."""
+def probe(device: str, scheme_json: str, fmt: str) -> str | None:
+    """None when a tiny random Llama quantized with this scheme (normalised as admission reads it), written by
+    ModelCompressor in `fmt`, loads with transformers on `device` and runs compressed-tensors' forward to finite
+    logits; else why not. Once per process per scheme (memory.py loads twice and measures the second load, which the
+    probe must not fall inside); the caller's random state is left as it was."""
+    import math
     import tempfile
 
     import torch
+    from compressed_tensors.quantization import QuantizationArgs
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from pipelines.core.logs import library_output
 
-    found = {}
+    scheme = {role: QuantizationArgs(**{k: v for k, v in a.items() if v is not None})
+              for role, a in json.loads(scheme_json).items() if a is not None}
+    if "weights" not in scheme:
+        return "no weight scheme to probe"
+    hidden = math.lcm(128, *[a.group_size for a in scheme.values() if a.strategy == "group"])  # groups divide it
+    cuda = range(torch.cuda.device_count()) if device.startswith("cuda") else []
     with tempfile.TemporaryDirectory(prefix="quantgate-ct-probe-") as tmp, library_output("compressed-tensors"), \
-            torch.random.fork_rng(devices=[]):
+            torch.random.fork_rng(devices=cuda):
         base = Path(tmp) / "base"
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(LlamaConfig(
-            hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-            vocab_size=64, max_position_embeddings=32), dtype=torch.float32).save_pretrained(base)
-        for fmt in formats:
-            name, save_as = PROBES[fmt]
-            try:
-                write_rtn(base, preset(name), save_as, Path(tmp) / fmt)
-                model = AutoModelForCausalLM.from_pretrained(Path(tmp) / fmt, device_map=device)
-                with torch.no_grad():
-                    logits = model(torch.arange(8, device=device).reshape(1, 8)).logits
-                found[fmt] = None if torch.isfinite(logits).all() else f"{name}: non-finite logits on {device}"
-            except Exception as err:  # noqa: BLE001 - a format this machine cannot run is a row, not a crash
-                found[fmt] = f"{name}: {type(err).__name__}: {str(err)[:200]}"
-    return tuple(found.items())
+            hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, vocab_size=64, max_position_embeddings=32), dtype=torch.float32).save_pretrained(base)
+        try:
+            write_rtn(base, scheme, fmt, Path(tmp) / "probe")
+            model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "probe", device_map=device)
+            with torch.no_grad():
+                logits = model(torch.arange(8, device=device).reshape(1, 8)).logits
+            return None if torch.isfinite(logits).all() else f"non-finite logits on {device}"
+        except Exception as err:  # noqa: BLE001 - a scheme this machine cannot run is a reason, not a crash
+            return f"{type(err).__name__}: {str(err)[:200]}"
 
 
 def preset(name: str) -> dict:

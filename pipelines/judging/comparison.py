@@ -225,13 +225,16 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
     mem = _memory_summary(mem_rows.get(name), mem_rows.get(BASELINE))
     not_here = not_checked_here(inputs, mem_rows.get(name), judged_elsewhere or [], (base_inputs or {}).get("eval"))
     row = {"kind": inputs.get("kind", "variant"), "memory": mem, "domains": {}}
+    if (inputs.get("eval") or {}).get("forward"):  # which forward was evaluated (compressed-tensors: as served)
+        row["forward"] = inputs["eval"]["forward"]
     if not_here:  # where its evidence came from (the backend and arguments lm-eval recorded), for the report
         row["evidence"] = (inputs.get("manifest") or {}).get("evidence")
     judged: dict[str, dict] = {}
     # the memory stage measured this checkpoint and it failed there (OOM, a crash): the variant's own evidence,
     # which an evaluation this machine could not run does not excuse
     checkpoint_made = (inputs.get("manifest") or {}).get("status") == "ok"
-    memory_failed = checkpoint_made and mem is None and "memory" not in not_here
+    memory_failed = checkpoint_made and mem is None and "memory" not in not_here \
+        and (mem_rows.get(name) or {}).get("cause") != ENVIRONMENT  # this machine could not run it: no evidence
     # task rows first: the domain's row needs their verdicts
     for domain, plan in sorted(plans.items(), key=lambda kv: not standard_tasks.is_task_row(kv[0])):
         policy = p.policy_for(plan.get("domain", domain))
