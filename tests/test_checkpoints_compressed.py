@@ -257,3 +257,12 @@ def test_a_scheme_this_machine_cannot_run_is_could_not_measure(tmp_path, ct_chec
     with pytest.raises(CannotRunHere, match="compressed-tensors group_0 does not run on cpu .*: RuntimeError") as err:
         load_variant(tmp_path / "fp8")
     assert environment_cause(err.value)["cause"] == ENVIRONMENT and "doctor" in err.value.remedy
+
+
+def test_the_release_report_names_the_forward_each_candidate_was_evaluated_with():
+    from pipelines import gate
+
+    forward = "compressed-tensors' own forward (...): group_0: weights fp8 (E4M3) per output channel"
+    report = {"variants": {"vendor-fp8": {"forward": forward, "domains": {}}, "int8": {"domains": {}}}}
+    text = gate.render_report({"verdict": "fail", "gated": ["int8", "vendor-fp8"], "reasons": []}, report, None)
+    assert f"vendor-fp8 was evaluated with {forward}." in text and "int8 was evaluated" not in text
