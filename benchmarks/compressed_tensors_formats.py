@@ -3,7 +3,7 @@ against the footprint, and what evaluating them as served (activations quantized
 
     .venv/bin/python benchmarks/compressed_tensors_formats.py [--model-dir models/reference] [--texts 8] [--no-record]
 
-Each checkpoint is written by compressed-tensors' own ModelCompressor (pipelines/checkpoints/compressed_tensors.py
+Each checkpoint is written by compressed-tensors' own ModelCompressor (pipelines/checkpoints/compressed_tensors_probe.py
 write_rtn: round-to-nearest scales, a static input scale of 0.05), admitted (`admission.admit`), and loaded twice:
 by `load_variant`, the loader every stage uses (compressed-tensors' forward: activations quantized as the scheme
 says), and with `CompressedTensorsConfig(dequantize=True)` (weights dequantized, full-precision activations). Per
@@ -30,7 +30,7 @@ def schemes() -> dict:
     """{kind: (scheme, format)}: compressed-tensors' presets as llm-compressor recipes name them, and one refused."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    from pipelines.checkpoints.compressed_tensors import preset
+    from pipelines.checkpoints.compressed_tensors_probe import preset
 
     block = preset("FP8_BLOCK")
     return {"FP8_DYNAMIC": (preset("FP8_DYNAMIC"), "float-quantized"), "W8A8": (preset("W8A8"), "int-quantized"),
@@ -68,7 +68,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, CompressedTensorsConfig
 
     from pipelines.checkpoints import admission
-    from pipelines.checkpoints.compressed_tensors import write_rtn
+    from pipelines.checkpoints.compressed_tensors_probe import write_rtn
     from pipelines.core.logs import library_output
     from pipelines.core.params import load_params
     from pipelines.evaluation.harness import fidelity_texts

@@ -136,13 +136,13 @@ CT_CANDIDATES = {"fp8-dynamic": ("FP8_DYNAMIC", "float-quantized"), "w8a8": ("W8
 
 def add_ct_candidates(repo: Path, where: Path) -> dict:
     """FP8-dynamic and W8A8 checkpoints of the profile's model, written by compressed-tensors' own ModelCompressor
-    (round-to-nearest scales: pipelines/checkpoints/compressed_tensors.py write_rtn) from the workspace's reference
+    (round-to-nearest scales: pipelines/checkpoints/compressed_tensors_probe.py write_rtn) from the workspace's reference
     in float32, the profile's precision, into `where`; added to the workspace's params.yaml as candidates and
     committed there. The reference stage runs first (the GGUF dequantized: what the candidates are made from)."""
     import yaml
 
     run([str(BIN / "dvc"), "repro", "reference"], repo)
-    code = ("import sys, torch; from pipelines.checkpoints.compressed_tensors import preset, write_rtn; "
+    code = ("import sys, torch; from pipelines.checkpoints.compressed_tensors_probe import preset, write_rtn; "
             "write_rtn('models/reference', preset(sys.argv[1]), sys.argv[2], sys.argv[3], dtype=torch.float32)")
     candidates = {}
     for name, (scheme, fmt) in CT_CANDIDATES.items():

@@ -144,10 +144,10 @@ def ct_schemes():
 
 def compressed_tensors_written(tiny_model, root):
     """One checkpoint per ct_schemes() kind, written by compressed-tensors' own ModelCompressor (through
-    pipelines/checkpoints/compressed_tensors.py write_rtn: round-to-nearest scales, as llm-compressor's RTN path)."""
+    pipelines/checkpoints/compressed_tensors_probe.py write_rtn: round-to-nearest scales, as llm-compressor's RTN path)."""
     import torch
 
-    from pipelines.checkpoints.compressed_tensors import write_rtn
+    from pipelines.checkpoints.compressed_tensors_probe import write_rtn
     from pipelines.core import logs
 
     out = {}

@@ -203,7 +203,7 @@ def test_the_doctor_lists_the_formats_this_machine_evaluates(ct_checkpoints, mon
     """Each format's checkpoint is written, loaded and run here; one that does not run is named with why."""
     from types import SimpleNamespace
 
-    from pipelines.checkpoints import compressed_tensors
+    from pipelines.checkpoints import compressed_tensors_probe
     from pipelines.diagnose import check, devices
 
     params = SimpleNamespace(candidates={"vendor-fp8": SimpleNamespace(path=str(ct_checkpoints["fp8_dynamic"])),
@@ -213,7 +213,7 @@ def test_the_doctor_lists_the_formats_this_machine_evaluates(ct_checkpoints, mon
         "float-quantized, int-quantized, naive-quantized, pack-quantized load and run on cpu") \
         and got.detail.endswith("(candidates vendor-fp8)")
     # NVFP4 (float 4-bit weights with a global scale) is not admitted; probed, it does not run here: named, a warning
-    monkeypatch.setitem(compressed_tensors.PROBES, "nvfp4-pack-quantized", ("NVFP4A16", "nvfp4-pack-quantized"))
+    monkeypatch.setitem(compressed_tensors_probe.PROBES, "nvfp4-pack-quantized", ("NVFP4A16", "nvfp4-pack-quantized"))
     got = devices.compressed_tensors_check(params, "cpu")
     assert got.status == check.WARN and "not on this machine: nvfp4-pack-quantized: NVFP4A16: " in got.detail
 
@@ -247,12 +247,12 @@ def test_a_scheme_this_machine_cannot_run_is_could_not_measure(tmp_path, ct_chec
     machine's (environment), so the rows are 'could not measure' with the remedy, never the candidate's failure and
     never a pass. Every admitted scheme runs on this CPU, so the probe's answer is replaced here with the one NVFP4
     gives for real (the doctor's test below runs it)."""
-    from pipelines.checkpoints import compressed_tensors
+    from pipelines.checkpoints import compressed_tensors_probe
     from pipelines.core.errors import ENVIRONMENT, CannotRunHere, environment_cause
 
     admission.admit("fp8", str(ct_checkpoints["fp8_dynamic"]), str(tiny_model), tmp_path)
-    assert compressed_tensors.check_runs_here(json.loads((tmp_path / "fp8/quantgate.json").read_text()), "cpu") is None
-    monkeypatch.setattr(compressed_tensors, "probe", lambda device, scheme, fmt: "RuntimeError: expected m1 and m2 "
+    assert compressed_tensors_probe.check_runs_here(json.loads((tmp_path / "fp8/quantgate.json").read_text()), "cpu") is None
+    monkeypatch.setattr(compressed_tensors_probe, "probe", lambda device, scheme, fmt: "RuntimeError: expected m1 and m2 "
                         "to have the same dtype, but got: float != c10::BFloat16")
     with pytest.raises(CannotRunHere, match="compressed-tensors group_0 does not run on cpu .*: RuntimeError") as err:
         load_variant(tmp_path / "fp8")

@@ -190,7 +190,7 @@ def compressed_tensors_check(params, device: str | None) -> Check:
     library, loaded and run on `device`: pipelines/checkpoints/compressed_tensors.py), and the candidates it affects."""
     import json
 
-    from pipelines.checkpoints.compressed_tensors import evaluable_formats
+    from pipelines.checkpoints.compressed_tensors_probe import evaluable_formats
 
     label = "compressed-tensors"
     if device is None:

@@ -278,7 +278,7 @@ def load_variant(variant_dir: str | Path, device: str = "cpu", max_memory: dict 
         if device_map != device and budget is not None:
             check_budget(weights_on_disk(location), budget, f"variant {manifest.get('variant', Path(location).name)}")
     if method == "compressed-tensors":  # a format these libraries cannot run here: could not measure, not a failure
-        from pipelines.checkpoints.compressed_tensors import check_runs_here
+        from pipelines.checkpoints.compressed_tensors_probe import check_runs_here
 
         check_runs_here(manifest, device)
     with library_output(method), library_call("load checkpoint"):
