@@ -60,3 +60,20 @@ def test_the_docs_show_a_comparison_only_beside_the_run_it_was_made_with(tmp_pat
     measured(tmp_path, "real_profile", "ccccccc", fanned)  # the fanned-out run made again: the comparison is stale
     text = "\n".join(render_real_profile(Context(tmp_path), "", []))
     assert "75.0 min" in text and "differ" not in text
+
+
+def test_the_compressed_tensors_run_is_tabled_per_model_with_what_it_serves(tmp_path):
+    """--ct-candidates: each model's verdicts with KL, its footprint against theory, what it holds once its weights
+    are unpacked (only where that differs), and the routing rows it serves."""
+    run = run_folder(tmp_path / "ct/smollm2", "a" * 40, "pass", "int8")
+    (run / "results/compare.json").write_text(json.dumps({"variants": {
+        "int8": {"kind": "variant", "domains": {"math": {"verdict": "pass", "fidelity": {"kl": {"mean": 0.0123}}}}},
+        "fp8-dynamic": {"kind": "candidate", "domains": {"math": {"verdict": "inconclusive", "fidelity": None}}}}}))
+    (run / "results/memory_summary.json").write_text(json.dumps({"variants": {
+        "int8": {"footprint_bytes": 1000, "theoretical_weight_bytes": 990},
+        "fp8-dynamic": {"footprint_bytes": 700, "theoretical_weight_bytes": 700, "serving_tensor_bytes": 1300}}}))
+    header, rows = real_profile.ct_table(real_profile.ct_rows(run))
+    assert header == ["model", "math: verdict (KL mean)", "footprint (tensor bytes)", "theory",
+                      "held after the first forward", "routed (type@tokens)"]
+    assert rows == [["int8 (variant)", "pass (0.012)", "1,000", "990", "same", "math@256"],
+                    ["fp8-dynamic (candidate)", "inconclusive", "700", "700", "1,300", "none"]]
