@@ -46,15 +46,6 @@ def test_library_written_compressed_tensors_checkpoints_are_admitted(ct_checkpoi
     assert report["theoretical_weight_bytes"]["total"] == tensor_bytes_in_file(ct_checkpoints[kind])
 
 
-def test_the_block_grid_covers_a_ragged_edge(ct_checkpoints, tiny_model):
-    """48 x 48 blocks over a 64 x 64 weight: 2 x 2 scales, the last row and column of blocks ragged."""
-    from safetensors import safe_open
-
-    with safe_open(ct_checkpoints["fp8_block"] / "model.safetensors", "pt") as f:
-        assert f.get_slice(f"{Q}.weight_scale").get_shape() == [2, 2]
-        assert f.get_slice("model.layers.0.mlp.down_proj.weight_scale").get_shape() == [2, 3]  # 64 x 128
-
-
 @pytest.mark.parametrize("kind, name, change, reason", [
     ("w8a8", "a channel scale of a per-tensor shape", lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"][:1, 0]}),
      f"model.safetensors: tensor {Q}.weight_scale: F16[1] but its compressed-tensors scheme and the base layer "
@@ -243,20 +234,29 @@ def test_memory_sets_the_footprint_against_the_formats_theory(tmp_path, ct_check
 
 
 def test_a_scheme_this_machine_cannot_run_is_could_not_measure(tmp_path, ct_checkpoints, tiny_model, monkeypatch):
-    """load_variant first probes the candidate's own scheme on the device; when that fails, the error is the
-    machine's (environment), so the rows are 'could not measure' with the remedy, never the candidate's failure and
-    never a pass. Every admitted scheme runs on this CPU, so the probe's answer is replaced here with the one NVFP4
-    gives for real (the doctor's test below runs it)."""
+    """load_variant first probes the candidate's own scheme on the device; when that fails, evaluate and memory record
+    the machine's error (environment) with its remedy, which compare turns into inconclusive rows (tests/test_gate.py's
+    could-not-measure tests). Every admitted scheme runs on this CPU, so the probe's answer is replaced here with the
+    one NVFP4 gives for real (the doctor's test runs it)."""
     from pipelines.checkpoints import compressed_tensors_probe
     from pipelines.core.errors import ENVIRONMENT, CannotRunHere, environment_cause
 
     admission.admit("fp8", str(ct_checkpoints["fp8_dynamic"]), str(tiny_model), tmp_path)
     assert compressed_tensors_probe.check_runs_here(json.loads((tmp_path / "fp8/quantgate.json").read_text()), "cpu") is None
-    monkeypatch.setattr(compressed_tensors_probe, "probe", lambda device, scheme, fmt: "RuntimeError: expected m1 and m2 "
+    monkeypatch.setattr(compressed_tensors_probe, "probe", lambda *args: "RuntimeError: expected m1 and m2 "
                         "to have the same dtype, but got: float != c10::BFloat16")
     with pytest.raises(CannotRunHere, match="compressed-tensors group_0 does not run on cpu .*: RuntimeError") as err:
         load_variant(tmp_path / "fp8")
     assert environment_cause(err.value)["cause"] == ENVIRONMENT and "doctor" in err.value.remedy
+    # the memory stage records it as the machine's, and its summary keeps why (tests/test_gate.py: rows inconclusive)
+    from pipelines import memory
+    from pipelines.measure import verdict
+    from tests.test_memory import FAST
+
+    r = memory.measure(str(tmp_path / "fp8"), FAST, "cpu")
+    row = verdict.summarize({"fp8": r}, FAST, baseline="fp16")["variants"]["fp8"]
+    assert (row["status"], row["cause"], row["remedy"]) == ("failed", ENVIRONMENT, err.value.remedy)
+    assert row["reason"].startswith("compressed-tensors group_0 does not run on cpu")
 
 
 def test_the_release_report_names_the_forward_each_candidate_was_evaluated_with():
@@ -266,3 +266,67 @@ def test_the_release_report_names_the_forward_each_candidate_was_evaluated_with(
     report = {"variants": {"vendor-fp8": {"forward": forward, "domains": {}}, "int8": {"domains": {}}}}
     text = gate.render_report({"verdict": "fail", "gated": ["int8", "vendor-fp8"], "reasons": []}, report, None)
     assert f"vendor-fp8 was evaluated with {forward}." in text and "int8 was evaluated" not in text
+
+
+def test_an_llm_compressor_folder_with_its_recipe_is_admitted(tmp_path, ct_checkpoints, tiny_model):
+    """llm-compressor saves recipe.yaml beside every checkpoint: inert text, never parsed, copied with the rest."""
+    folder = broken_copy(ct_checkpoints["w8a8"], tmp_path / "c")
+    (folder / "recipe.yaml").write_text("default_stage:\n  default_modifiers:\n    QuantizationModifier:\n"
+                                        "      targets: [Linear]\n      ignore: [lm_head]\n      scheme: W8A8\n")
+    manifest = admission.admit("w8a8", str(folder), str(tiny_model), tmp_path / "admitted")
+    assert manifest["status"] == "ok" and "recipe.yaml" in manifest["files"]
+    assert (tmp_path / "admitted/w8a8/recipe.yaml").read_bytes() == (folder / "recipe.yaml").read_bytes()
+
+
+def test_a_quantized_lm_head_tied_to_the_embedding_is_refused(tmp_path, tiny_model):
+    """A model that ties lm_head to its embedding: quantizing lm_head (ignore left empty) quantizes one shared
+    tensor; transformers cannot load it, and with lm_head.weight dropped the embedding would stand in unnoticed."""
+    from pipelines.checkpoints.compressed_tensors_probe import preset, write_rtn
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with logs.library_output("test"):
+        AutoModelForCausalLM.from_pretrained(tiny_model, tie_word_embeddings=True).save_pretrained(tmp_path / "base")
+        AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path / "base")
+        write_rtn(tmp_path / "base", preset("FP8_DYNAMIC"), "float-quantized", tmp_path / "all", ignore=())
+        write_rtn(tmp_path / "base", preset("FP8_DYNAMIC"), "float-quantized", tmp_path / "ok")
+    assert reasons_of(tmp_path / "all", tmp_path / "base") == [
+        "lm_head: quantized, but the base model ties it to the embedding (tie_word_embeddings): the loaders cannot give "
+        "one tensor two forms (transformers refuses FP8 there), and without it the embedding would stand in; leave "
+        "lm_head unquantized (compressed-tensors: `ignore`)"]
+    assert admission.validate(tmp_path / "ok", str(tmp_path / "base"))["admitted"]
+
+
+def test_several_schemes_in_one_checkpoint_are_checked_and_served_each(tmp_path, tiny_model):
+    """mixed-precision, as llm-compressor writes a recipe of two modifiers: attention W8A8 (int-quantized), the MLP
+    W4A16 (pack-quantized); each layer's tensors are its own scheme's, and each runs its own forward."""
+    from pipelines.checkpoints.compressed_tensors_probe import preset, write_rtn
+
+    groups = {"attention": {"targets": [r"re:.*self_attn\.(q|k|v|o)_proj$"], **preset("W8A8")},
+              "mlp": {"targets": [r"re:.*mlp\.(gate|up|down)_proj$"], **preset("W4A16")}}
+    groups["mlp"]["weights"] = groups["mlp"]["weights"].model_copy(update={"group_size": 32})
+    with logs.library_output("test"):
+        write_rtn(tiny_model, groups, None, tmp_path / "mixed", dtype=torch.float16)
+    manifest = admission.admit("mixed", str(tmp_path / "mixed"), str(tiny_model), tmp_path / "admitted")
+    assert manifest["status"] == "ok", manifest.get("reasons")
+    assert manifest["settings"]["checkpoint_format"] == ["int-quantized", "pack-quantized"]
+    assert manifest["validation"]["quantized_layers"] == 7
+    forward = manifest["settings"]["forward"]  # the library saves the groups as group_0, group_1
+    assert "group_0: weights int8 per output channel (int-quantized); input activations int8 per token" in forward
+    assert "group_1: weights int4 per group of 32 (pack-quantized); activations in full precision" in forward
+    model, tok = load_variant(tmp_path / "admitted/mixed")
+    with torch.no_grad():
+        assert torch.isfinite(model(tok("12+30=", return_tensors="pt").input_ids).logits).all()
+    edit_tensors(tmp_path / "mixed/model.safetensors", lambda t: t.update(  # an MLP layer stored in attention's form
+        {"model.layers.0.mlp.up_proj.weight_scale": torch.ones(128, 1, dtype=torch.float16)}))
+    assert "model.safetensors: tensor model.layers.0.mlp.up_proj.weight_scale: F16[128, 1] but its compressed-tensors " \
+           "scheme and the base layer (64 -> 128) imply BF16/F16/F32[128, 2]" in reasons_of(tmp_path / "mixed", tiny_model)
+
+
+def test_mlflow_logs_the_forward_a_candidate_was_evaluated_with(tmp_path, ct_checkpoints, tiny_model):
+    from pipelines.core.params_candidates import CandidateParams
+    from pipelines.store.layout import child_params
+
+    manifest = admission.admit("fp8", str(ct_checkpoints["fp8_dynamic"]), str(tiny_model), tmp_path)
+    params = child_params(manifest, CandidateParams(path=str(ct_checkpoints["fp8_dynamic"])).model_dump(mode="json"))
+    assert params["settings.forward"] == manifest["settings"]["forward"] and "per token, dynamic" in params[
+        "settings.forward"]

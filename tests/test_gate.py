@@ -164,6 +164,20 @@ def test_a_memory_failure_is_not_excused_by_an_evaluation_this_machine_could_not
     assert any("memory stage failed: OutOfMemoryError" in r for r in result["reasons"]) == (code == 1)
 
 
+def test_memory_this_machine_could_not_run_leaves_an_evaluated_variant_undecided(repo):
+    """Evaluated, but its memory could not be measured here (its compressed-tensors scheme does not run on this
+    device): no evidence either way, so every row is inconclusive with the reason and remedy, exit 2."""
+    write_pipeline(repo, answers(awq4=GOOD))
+    edit_json(repo / "results/memory_summary.json", lambda d: d["variants"].update(awq4={
+        "status": "failed", "error": "CannotRunHere: x", "cause": "environment",
+        "reason": "compressed-tensors group_0 does not run on cpu", "remedy": "run it where it runs"}))
+    rerun_compare(repo)
+    code, result, _ = run_gate("--variant", "awq4")
+    assert (code, result["verdict"]) == (2, "undecided")
+    assert result["reasons"] == [f"awq4 {d}: not measured on this machine: compressed-tensors group_0 does not run on "
+                                 "cpu; remedy: run it where it runs" for d in ("math", "code")]
+
+
 def test_an_edited_could_not_measure_row_cannot_pass(repo):
     """A hurried user marks a failed row `inconclusive` and force-commits: the gate re-derives it and refuses."""
     write_pipeline(repo, answers())

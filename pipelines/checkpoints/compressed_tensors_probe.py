@@ -31,12 +31,15 @@ def _ranges(w, args):
     return blocks.amin((-1, -2)), blocks.amax((-1, -2))
 
 
-def write_rtn(base_dir, scheme: dict, fmt: str, out, dtype=None, input_scale: float = 0.05) -> None:
+def write_rtn(base_dir, scheme: dict, fmt: str | None, out, dtype=None, input_scale: float = 0.05,
+              ignore: tuple[str, ...] = ("lm_head",)) -> None:
     """A compressed-tensors checkpoint of `base_dir` written by the library's own ModelCompressor, as llm-compressor
     writes one, with round-to-nearest scales from each group's range (llm-compressor itself does not install with the
     pins); a static input scale is `input_scale`. For the tests, the doctor's probe and benchmarks/real_profile.py.
 
-    `scheme`: {"weights": QuantizationArgs, "input_activations": ...} for targets Linear, lm_head ignored.
+    `scheme`: {"weights": QuantizationArgs, "input_activations": ...} for every Linear but `ignore`, or several
+    groups {name: {"targets": [...], "weights": ..., ...}}; `fmt` None: the format the library infers (mixed-precision
+    for groups of different formats).
     """
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, apply_quantization_config
@@ -44,8 +47,9 @@ def write_rtn(base_dir, scheme: dict, fmt: str, out, dtype=None, input_scale: fl
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=dtype or "auto")
+    groups = {"group_0": {"targets": ["Linear"], **scheme}} if "weights" in scheme else scheme
     apply_quantization_config(model, QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], **scheme)}, ignore=["lm_head"]))
+        config_groups={name: QuantizationScheme(**g) for name, g in groups.items()}, ignore=list(ignore)))
     for module in model.modules():
         if hasattr(module, "weight_scale"):
             args = module.quantization_scheme.weights
@@ -75,10 +79,11 @@ def evaluable_formats(device: str) -> dict[str, str | None]:
 
 
 @functools.lru_cache(maxsize=None)
-def probe(device: str, scheme_json: str, fmt: str) -> str | None:
+def probe(device: str, scheme_json: str, fmt: str, dtype: str = "float32") -> str | None:
     """None when a tiny random Llama quantized with this scheme (normalised as admission reads it), written by
     ModelCompressor in `fmt`, loads with transformers on `device` and runs compressed-tensors' forward to finite
-    logits; else why not. Once per process per scheme (memory.py loads twice and measures the second load, which the
+    logits, the model in `dtype` (the candidate's: a scheme may run in one dtype and not another); else why not.
+    Once per process per scheme (memory.py loads twice and measures the second load, which the
     probe must not fall inside); the caller's random state is left as it was."""
     import math
     import tempfile
@@ -93,7 +98,8 @@ def probe(device: str, scheme_json: str, fmt: str) -> str | None:
               for role, a in json.loads(scheme_json).items() if a is not None}
     if "weights" not in scheme:
         return "no weight scheme to probe"
-    hidden = math.lcm(128, *[a.group_size for a in scheme.values() if a.strategy == "group"])  # groups divide it
+    step = math.lcm(4, *[a.group_size for a in scheme.values() if a.strategy == "group"])  # groups divide it
+    hidden = step * -(-64 // step)  # at least 64, an even head size for each of 2 heads
     cuda = range(torch.cuda.device_count()) if device.startswith("cuda") else []
     with tempfile.TemporaryDirectory(prefix="quantgate-ct-probe-") as tmp, library_output("compressed-tensors"), \
             torch.random.fork_rng(devices=cuda):
@@ -101,7 +107,8 @@ def probe(device: str, scheme_json: str, fmt: str) -> str | None:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(LlamaConfig(
             hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, vocab_size=64, max_position_embeddings=32), dtype=torch.float32).save_pretrained(base)
+            num_key_value_heads=1, vocab_size=64, max_position_embeddings=32), dtype=getattr(torch, dtype)
+        ).save_pretrained(base)
         try:
             write_rtn(base, scheme, fmt, Path(tmp) / "probe")
             model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "probe", device_map=device)
@@ -126,7 +133,7 @@ def check_runs_here(manifest: dict, device: str) -> None:
 
     fails = {name: why for name, s in ((manifest.get("validation") or {}).get("schemes") or {}).items()
              if (why := probe(device, json.dumps({"weights": s["weights"], "input_activations": s["input_activations"]},
-                                                 sort_keys=True), s["format"]))}
+                                                 sort_keys=True), s["format"], manifest.get("dtype") or "float16"))}
     if fails:
         raise CannotRunHere(f"compressed-tensors {', '.join(fails)} does not run on {device} with the installed "
                             f"libraries: {'; '.join(fails.values())}", "run it where it runs (`quantgate doctor` lists "

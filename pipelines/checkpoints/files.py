@@ -31,6 +31,9 @@ TOKENIZER_NAMES = {"tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
 TOKENIZER_SUFFIXES = {".tiktoken", ".spm", ".jinja"}
 TEXT_PREFIXES = ("LICENSE", "LICENCE", "README", "NOTICE", "COPYING", "USE_POLICY")
 TEXT_SUFFIXES = {".md", ".txt", ".csv"}  # inert text: READMEs, GPTQModel's quant_log.csv
+# llm-compressor saves the recipe it ran as recipe.yaml beside every checkpoint (and hub repos ship it): no loader
+# reads it, nothing here parses it; copied as text, so the team sees how the candidate was made
+TEXT_NAMES = {"recipe.yaml"}
 # other frameworks' weights, which hub repositories often ship beside the safetensors ones (pickle or code-capable)
 OTHER_WEIGHT_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".onnx_data", ".gguf"}
 OTHER_WEIGHT_DIRS = {"onnx", "openvino", "coreml"}
@@ -68,7 +71,7 @@ def classify(rel: str) -> tuple[str | None, str | None]:
         return "json", None
     if name in TOKENIZER_NAMES or suffix in TOKENIZER_SUFFIXES:
         return "tokenizer", None
-    if name.startswith(TEXT_PREFIXES) or name == ".gitattributes" or suffix in TEXT_SUFFIXES:
+    if name.startswith(TEXT_PREFIXES) or name == ".gitattributes" or suffix in TEXT_SUFFIXES or name in TEXT_NAMES:
         return "text", None
     return None, f"{rel}: unexpected file type; accepted: safetensors, JSON, tokenizer and plain-text files"
 

@@ -88,6 +88,11 @@ def plan_tensors(tensors: dict[str, tuple[str, dict]], q: dict, base_dir: str, d
     expected = {name: (set(FLOAT_DTYPES), shape, "the base model has") for name, shape in params.items()}
     optional = {"lm_head.weight"} if tied else set()
     layers, plan.int_ranges, plan.reasons = quantized_layers(tensors, q, linears, base_dir)
+    if tied and "lm_head" in layers:  # one tensor shared with the embedding: quantizing it is quantizing both
+        plan.reasons.append("lm_head: quantized, but the base model ties it to the embedding (tie_word_embeddings): "
+                            "the loaders cannot give one tensor two forms (transformers refuses FP8 there), and without "
+                            "it the embedding would stand in; leave lm_head unquantized (compressed-tensors: `ignore`)")
+        return plan
     for module, layer in layers.items():
         n_in, n_out = linears[module]
         plan.quantized_layers += 1

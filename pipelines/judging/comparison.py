@@ -222,6 +222,7 @@ def compare_one(name: str, inputs: dict, base_inputs: dict, base_failure: str | 
     `judged_elsewhere`: a log candidate's declaration (candidates.<name>.judged_elsewhere)."""
     failure, unmeasured = _upstream_failure(inputs)
     mem_rows = memory.get("variants", {})
+    unmeasured = unmeasured or _unmeasured(mem_rows.get(name))  # memory this machine could not run: no evidence
     mem = _memory_summary(mem_rows.get(name), mem_rows.get(BASELINE))
     not_here = not_checked_here(inputs, mem_rows.get(name), judged_elsewhere or [], (base_inputs or {}).get("eval"))
     row = {"kind": inputs.get("kind", "variant"), "memory": mem, "domains": {}}

@@ -115,8 +115,8 @@ def summarize(results: dict[str, dict], p: MemoryParams, baseline: str = BASELIN
             rows[name] = {"status": "not_measured", "reason": r.get("reason") or "not measured"}
             continue
         if r.get("status") != "ok":
-            rows[name] = {"status": "failed", "error": r.get("error", "no result"),
-                          **({"cause": r["cause"]} if r.get("cause") else {})}  # environment: this machine's
+            rows[name] = {"status": "failed", "error": r.get("error", "no result"),  # environment: this machine's
+                          **{k: r[k] for k in ("cause", "reason", "remedy") if r.get(k)}}
             continue
         growth = r["soak"]["growth_bytes_per_round"]
         row = {"status": "ok", "device": r["device"], "footprint_bytes": r["load"]["footprint_bytes"],

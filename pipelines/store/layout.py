@@ -82,6 +82,8 @@ def child_params(manifest: dict | None, settings: dict | None) -> dict[str, str]
     """The variant's settings and the library versions that made it."""
     manifest = manifest or {}
     params = flatten("", {"settings": settings or manifest.get("settings") or {}}, {})
+    if (manifest.get("settings") or {}).get("forward"):  # a compressed-tensors candidate: the forward it was judged in
+        params["settings.forward"] = str(manifest["settings"]["forward"])[:500]
     params.update({f"library.{k}": str(v) for k, v in (manifest.get("libraries") or {}).items()})
     params["calibration_sha256"] = str((manifest.get("calibration") or {}).get("sha256"))
     params["device"] = str(manifest.get("device"))
