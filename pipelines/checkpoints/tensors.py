@@ -9,6 +9,7 @@ import torch
 
 from pipelines.checkpoints import compressed_tensors
 from pipelines.checkpoints.context import Candidate
+from pipelines.checkpoints.shards import DTYPE_BYTES
 
 # method -> (the tensor that marks a layer as quantized, that layer's scale tensor)
 MARKERS = {"gptq": ("qweight", "scales"), "awq": ("qweight", "scales"), "bnb-int8": ("SCB", "SCB"),
@@ -136,8 +137,6 @@ def plan_tensors(tensors: dict[str, tuple[str, dict]], q: dict, base_dir: str, d
     return plan
 
 
-BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-         compressed_tensors.FP8: 1}
 DTYPE_NAMES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
 
@@ -148,7 +147,7 @@ def weight_theory(expected: dict, layers: dict, dtype: str) -> dict[str, int]:
     quantized = unquantized = 0
     for name, (dtypes, shape, _) in expected.items():
         one = min(dtypes) if len(dtypes) == 1 else DTYPE_NAMES.get(dtype, "F16")
-        size = BYTES[one] * int(torch.Size(shape).numel())
+        size = DTYPE_BYTES[one] * int(torch.Size(shape).numel())
         if name.rsplit(".", 1)[0] in layers:
             quantized += size
         else:
