@@ -3,7 +3,8 @@
 Every variant's evaluate stage pairs its answers with these and scores its fidelity against these
 distributions. It runs in its own process; a crash or a run past evaluate.timeout_seconds stops the
 pipeline with the cause, since without a baseline no variant can be judged. With `baseline.source: samples` fp16's
-answers come from its lm-eval sample log instead (pipelines/evaluation/baseline_log.py), and no distributions are stored.
+answers come from its lm-eval sample log instead, with `endpoint` from lm-eval run against the server it is served at
+(pipelines/evaluation/baseline_log.py), and no distributions are stored.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pipelines.core.errors import QuantgateError
 from pipelines.core.io import write_json, write_jsonl
 from pipelines.core.isolation import run_isolated
 from pipelines.core.params import load_params
-from pipelines.core.paths import BASELINE, BASELINE_RESULTS, FIDELITY_BASE, FIDELITY_TEXTS, VARIANTS_DIR
+from pipelines.core.paths import (BASELINE, BASELINE_RESULTS, EVAL_DIR, FIDELITY_BASE, FIDELITY_TEXTS, REFERENCE_DIR,
+                                  VARIANTS_DIR)
 from pipelines.evaluation import baseline_log, sample_logs
 from pipelines.evaluation.console import EVALUATE_VARIANT, log_probes, pop_texts
 from pipelines.evaluation.plans import probe_plans
@@ -30,8 +32,8 @@ def main() -> int:
     params = load_params()
     p = params.evaluate
     plans = probe_plans(p.domains, p)
-    if params.baseline.source == baseline_log.SOURCE:
-        return _from_log(params.baseline.path, plans, p.allow_unisolated_code)
+    if params.baseline.source != "here":
+        return _from_log(params.baseline, plans, p)
     shutil.rmtree(BASELINE_RESULTS / sample_logs.LOG_DIR, ignore_errors=True)  # a former baseline log's copy
     staged = FIDELITY_BASE.with_name(f".{FIDELITY_BASE.name}.new")  # in place only together with the records
     with logs.progress(total=1, desc="baseline fp16 (every look)", bar_format="{desc}: {elapsed}") as bar:
@@ -49,13 +51,21 @@ def main() -> int:
     return _write(result, items, pop_texts(result), "")  # the texts: what `quantgate audit` re-measures
 
 
-def _from_log(folder: str, plans: dict[str, dict], allow_unisolated_code: bool) -> int:
-    """fp16's records from its lm-eval sample log (baseline.source: samples), the log copied beside them."""
-    result, items = baseline_log.evaluate(folder, plans, BASELINE_RESULTS / sample_logs.LOG_DIR, allow_unisolated_code)
+def _from_log(baseline, plans: dict[str, dict], p) -> int:
+    """fp16's records from its lm-eval sample log (baseline.source: samples), or from the one lm-eval writes against
+    fp16's endpoint (source: endpoint), the log copied beside them."""
+    copy_to = BASELINE_RESULTS / sample_logs.LOG_DIR
+    if baseline.source == "endpoint":
+        result, items = baseline_log.from_endpoint(baseline.endpoint.model_dump(), baseline.path, plans, copy_to,
+                                                   REFERENCE_DIR, EVAL_DIR, p.timeout_seconds, p.allow_unisolated_code)
+        where = f"fp16's endpoint {baseline.endpoint.base_url} ({baseline.endpoint.model})"
+    else:
+        result, items = baseline_log.evaluate(baseline.path, plans, copy_to, p.allow_unisolated_code)
+        where = f"fp16's sample log {baseline.path}"
     if result["status"] != "ok":
-        raise QuantgateError(f"the fp16 baseline could not be read from its sample log: {result['error']}")
+        raise QuantgateError(f"the fp16 baseline could not be read from {where}: {result['error']}")
     FIDELITY_BASE.unlink(missing_ok=True)  # no distributions: KL against fp16 is not measured (baseline_log.py)
-    return _write(result, items, [], f"fp16's sample log {folder}: ")
+    return _write(result, items, [], f"{where}: ")
 
 
 def _write(result: dict, items: list[dict], texts: list[dict], source: str) -> int:

@@ -49,6 +49,9 @@ def run_checks(params_path: str | Path = "params.yaml") -> list[Check]:
         checks.append(guarded("pools", pools_check, params))
         checks += [guarded(f"endpoint {n}", endpoint_check, n, c.endpoint.model_dump())
                    for n, c in params.candidates.items() if c.endpoint is not None]
+        if params.baseline.endpoint is not None:  # fp16 evaluated where it is served (baseline.source: endpoint)
+            checks.append(guarded("endpoint fp16", endpoint_check, "fp16", params.baseline.endpoint.model_dump(),
+                                  "baseline"))
     checks.append(guarded("mlflow", mlflow_check))
     checks.append(guarded("dvc", dvc_check))
     return checks

@@ -36,13 +36,14 @@ def rerun_command(judged: object, judged_digest: object, now: dict | None) -> st
 
 def decide(report: dict | None, fresh: dict | None, params: Params, changes: list[str], upstream_digest: str | None,
            gated: list[str] | None = None, upstream_stages: dict | None = None, shadow: dict | None = None,
-           table: dict | None = None) -> dict:
+           table: dict | None = None, served: list[str] | None = None) -> dict:
     """The release verdict over the gated variants (default: every variant and candidate).
 
     report: compare.json as found; fresh: compare recomputed now from the workspace's files; changes: what
     DVC's status says differs from dvc.lock; upstream_digest/upstream_stages: dvc.lock's entries of the stages
     before compare, now (lineage); shadow/table: results/shadow.json and the routing table (a variant whose replay
-    failed, or that the replay refused for every request type, fails: verdict.shadow_failures). Anything stale or
+    failed, or that the replay refused for every request type, fails: verdict.shadow_failures); served: what a served
+    model's server answers otherwise than when it was evaluated (evaluation/redeploy.py). Anything stale or
     inconsistent is `undecided`, never `pass`.
     """
     names = gated or [*[n for n in params.variants if n != BASELINE], *params.candidates]
@@ -50,6 +51,10 @@ def decide(report: dict | None, fresh: dict | None, params: Params, changes: lis
     if changes:
         result["reasons"] += ["the workspace differs from what DVC recorded in dvc.lock; run dvc repro:"]
         result["reasons"] += [f"  {c}" for c in changes]
+        return result
+    if served:
+        result["reasons"] += ["a served model is not what was evaluated (DVC hashes its deployment spec, not its "
+                              "server):", *[f"  {line}" for line in served]]
         return result
     if untracked := standard_tasks.untracked_data(params.evaluate.tasks):
         result["reasons"] += untracked
@@ -208,10 +213,12 @@ def render_report(result: dict, report: dict | None, table: dict | None, policy_
     base = ((report or {}).get("fp16") or {}).get("evidence")
     if any(elsewhere.values()) or base:  # evaluated elsewhere (pipelines/evaluation/sample_logs.py, endpoints.py)
         lines += ["### Evidence from sample logs and endpoints", ""] + ([
-            f"- fp16 (the baseline): lm-eval sample log, backend `{base.get('backend')}`, model_args "
-            f"`{base.get('model_args')}`, lm-eval {base.get('lm_eval_version')}: every item checked against the tasks "
-            "here and scored again; no token distributions, so KL is not measured for any model, and the audit cannot "
-            "re-run fp16"] if base else []) + [
+            (f"- fp16 (the baseline): served at {base.get('base_url')} as `{base.get('model')}`, evaluated here by "
+             f"lm-eval's `{base.get('backend')}` (its server asked again by this gate)" if base.get("base_url") else
+             f"- fp16 (the baseline): lm-eval sample log, backend `{base.get('backend')}`, model_args "
+             f"`{base.get('model_args')}`, lm-eval {base.get('lm_eval_version')}") + ": every item checked against the "
+            "tasks here and scored again; no token distributions, so KL is not measured for any model, and the audit "
+            "cannot re-run fp16"] if base else []) + [
             (f"- {n}: served at {e.get('base_url')} as `{e.get('model')}`, evaluated here by lm-eval's "
              f"`{e.get('backend')}` (prompt logprobs: {'yes' if e.get('logprobs') else 'no'}) and replayed through it; "
              "KL, memory and the audit's re-run need the weights here and were not measured" if e.get("base_url") else
@@ -280,6 +287,7 @@ def main(variant: list[str] | None = None, promote: bool = False, audit: bool = 
         from pipelines.core.params import load_params
         from pipelines.core.paths import COMPARE_REPORT, MLFLOW_RUN, RESULTS, ROUTING_TABLE, SHADOW_REPORT, VARIANTS_DIR
         from pipelines.evaluation.plans import probe_plans
+        from pipelines.evaluation.redeploy import stale_endpoints
         from pipelines.judging.comparison import compare_all
         from pipelines.models.gguf import stale_model
 
@@ -293,13 +301,17 @@ def main(variant: list[str] | None = None, promote: bool = False, audit: bool = 
         changes = workspace_changes() + stale_model()  # a GGUF model lies outside the repository: DVC cannot hash it
         report = read_json(COMPARE_REPORT) if COMPARE_REPORT.is_file() else None
         table = read_json(ROUTING_TABLE) if ROUTING_TABLE.is_file() else None
+        # each served model's server asked again; not a candidate that fails anyway (its server cannot change that)
+        failing = {n for n, v in ((report or {}).get("variants") or {}).items() if (v or {}).get("verdict") == "fail"}
+        served = [] if changes else stale_endpoints(params, [n for n in variant or params.candidates if n not in failing])
         if not changes:  # recompute the comparison from the per-item records: the same function compare ran
             fresh = compare_all(list(params.variants), list(params.candidates),
                                 probe_plans(params.evaluate.domains, params.evaluate), params.compare, RESULTS,
                                 VARIANTS_DIR, params.judged_elsewhere())
         shadow = read_json(SHADOW_REPORT) if SHADOW_REPORT.is_file() else None
-        result = decide(report, fresh, params, changes, lock_digest(), variant or None, stage_digests(), shadow, table)
-        if audit and not changes:  # a stale workspace is undecided already: its checkpoints are not DVC's
+        result = decide(report, fresh, params, changes, lock_digest(), variant or None, stage_digests(), shadow, table,
+                        served)
+        if audit and not changes and not served:  # undecided already: a stale workspace's checkpoints are not DVC's
             result["audit"] = _audit(params, variant, audit_seed)
             if result["audit"]["verdict"] != "ok":
                 result["verdict"] = "undecided"

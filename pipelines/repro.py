@@ -111,8 +111,9 @@ def _run(root: Path, sequential: bool) -> int:
     if reason is None and params.device != "cpu":
         from pipelines.models.loading import resolve_device
 
-        if resolve_device(params.device) == "cuda" and not all(tasks.resources(params, v)["num_gpus"]
-                                                              for v in {s.variant for s in chains.values()}):
+        if resolve_device(params.device) == "cuda" and not all(
+                tasks.resources(params, v)["num_gpus"] or tasks.loads_no_model(params, v)
+                for v in {s.variant for s in chains.values()}):
             reason = "the stages run on CUDA here and `fanout` gives some variants' tasks no GPU (fanout.gpus)"
     if reason is None:
         from pipelines.core.ray_auth import RayUnavailable, private_local_cluster

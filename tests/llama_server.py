@@ -32,8 +32,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model_dir: Path, out: Path, qtype: str = "F32") -> Path:
-    """The Llama checkpoint in `model_dir` as one GGUF file: 2-D weights in `qtype` (F32, F16 or Q8_0), norms F32."""
+def write_gguf(model_dir: Path, out: Path, qtype: str = "F32", noise: float = 0.0) -> Path:
+    """The Llama checkpoint in `model_dir` as one GGUF file: 2-D weights in `qtype` (F32, F16 or Q8_0), norms F32;
+    `noise` > 0: another model, each 2-D weight moved by `noise` x its own spread (a redeploy's other weights)."""
     import gguf
     from safetensors.numpy import load_file
     from transformers import AutoTokenizer
@@ -64,8 +65,11 @@ def write_gguf(model_dir: Path, out: Path, qtype: str = "F32") -> Path:
                             for i in range(config["vocab_size"])])
     gguf.SpecialVocab(model_dir, load_merges=True).add_to_gguf(writer)
     writer.add_add_bos_token(False)  # the tokenizer's post-processor adds nothing, as in-process evaluation sees it
+    rng = np.random.default_rng(0)
     for name, value in tensors.items():
         value = value.astype(np.float32)
+        if noise and value.ndim == 2:
+            value = value + noise * value.std() * rng.standard_normal(value.shape, dtype=np.float32)
         if name.endswith("q_proj.weight"):
             value = _permute(value, heads)
         elif name.endswith("k_proj.weight"):
@@ -94,10 +98,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(gguf_file: Path, name: str, log: Path, api_key: str | None = None, extra: tuple[str, ...] = ()):
-    """`python -m llama_cpp.server` on a free local port serving `gguf_file` as `name`, greedy-deterministic (one
-    thread, one sequence); yields its base URL (…/v1) once /v1/models answers, and stops it after."""
-    port = free_port()
+def serving(gguf_file: Path, name: str, log: Path, api_key: str | None = None, extra: tuple[str, ...] = (),
+            port: int | None = None):
+    """`python -m llama_cpp.server` on `port` (default a free local one) serving `gguf_file` as `name`,
+    greedy-deterministic (one thread, one sequence); yields its base URL (…/v1) once /v1/models answers, and stops it
+    after."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_file), "--model_alias", name,
            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "512", "--n_threads", "1", "--n_batch", "512",
            "--seed", "0", "--logits_all", "true", "--verbose", "false", *extra]

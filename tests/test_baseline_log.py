@@ -19,6 +19,7 @@ from tests.conftest import ROOT
 from tests.handmade import correctness as answers_of
 from tests.handmade import memory_row, plans, write_eval_items, write_memory, write_model
 from tests.sample_log_helpers import COMPARE, DOMAINS, edited_log, from_log, refusal, rewrite_line, samples_file
+from tests.sample_log_helpers import P as EVALUATE
 
 N = 400
 
@@ -166,6 +167,14 @@ def test_the_baseline_section_says_where_fp16s_answers_come_from():
     with pytest.raises(ValidationError, match="needs the folder of fp16's lm-eval sample log"):
         BaselineParams(source="samples")
     assert BaselineParams(source="samples", path="/logs/fp16").path == "/logs/fp16"
+    server = {"base_url": "http://127.0.0.1:8000/v1", "model": "fp16"}
+    with pytest.raises(ValidationError, match="source endpoint needs endpoint"):
+        BaselineParams(source="endpoint", path="deploy/fp16.yaml")
+    with pytest.raises(ValidationError, match="and only it takes one"):
+        BaselineParams(source="samples", path="/logs/fp16", endpoint=server)
+    with pytest.raises(ValidationError, match="needs fp16's deployment spec, outside models/"):
+        BaselineParams(source="endpoint", path="models/variants/fp16", endpoint=server)
+    assert BaselineParams(source="endpoint", path="deploy/fp16.yaml", endpoint=server).endpoint.model == "fp16"
 
 
 def test_the_baseline_stage_writes_fp16s_records_from_its_log_and_no_distributions(log_evidence, tmp_path):
@@ -181,11 +190,18 @@ def test_the_baseline_stage_writes_fp16s_records_from_its_log_and_no_distributio
     with contextlib.chdir(tmp_path):
         FIDELITY_BASE.parent.mkdir(parents=True)
         FIDELITY_BASE.write_bytes(b"an earlier run's")
-        assert baseline._from_log(str(log_evidence["logs"]["fp16"]), log_evidence["plan"], False) == 0
+        assert baseline._from_log(logged(log_evidence["logs"]["fp16"]), log_evidence["plan"], EVALUATE) == 0
         assert not FIDELITY_BASE.exists()
         assert read_jsonl(BASELINE_RESULTS / "items.jsonl") and read_jsonl(BASELINE_RESULTS / FIDELITY_TEXTS) == []
         written = read_json(BASELINE_RESULTS / "eval.json")
         assert written["status"] == "ok" and written["baseline"]["source"] == "samples"
         assert sorted(p.name for p in (BASELINE_RESULTS / "samples").iterdir()) == sorted(written["evidence"]["files"])
-        with pytest.raises(QuantgateError, match="fp16 baseline could not be read from its sample log: .*no such folder"):
-            baseline._from_log(str(tmp_path / "nowhere"), log_evidence["plan"], False)
+        with pytest.raises(QuantgateError, match="fp16 baseline could not be read from fp16's sample log .*no such "
+                                                 "folder"):
+            baseline._from_log(logged(tmp_path / "nowhere"), log_evidence["plan"], EVALUATE)
+
+
+def logged(folder):
+    from pipelines.core.params_candidates import BaselineParams
+
+    return BaselineParams(source="samples", path=str(folder))

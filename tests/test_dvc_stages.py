@@ -123,3 +123,21 @@ def test_the_baseline_stage_hashes_fp16s_sample_log_when_params_point_at_one(tmp
     params["baseline"] = {"source": "samples", "path": "logs/fp16-vllm"}
     deps = baseline_deps(tmp_path / "log")
     assert "logs/fp16-vllm" in deps and "models/variants/fp16" not in deps
+
+
+def test_a_variant_served_at_an_endpoint_is_judged_after_its_checkpoint_is_made(tmp_path):
+    """quantgate's own variant served where it runs (docs/evaluate.md, "A variant of quantgate's own at an endpoint"):
+    a candidate whose `path` is the variant's checkpoint folder. DVC then admits and evaluates it after quantize@awq4,
+    and a re-quantized awq4 is a changed dependency that evaluates the served copy again."""
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["candidates"] = {"awq4-served": {"source": "endpoint", "path": "models/variants/awq4",
+                                            "endpoint": {"base_url": "http://10.0.0.5:8000/v1", "model": "awq4"}}}
+    shutil.copyfile(ROOT / "dvc.yaml", tmp_path / "dvc.yaml")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    subprocess.run([str(Path(sys.executable).parent / "dvc"), "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
+    read = ("import json; from dvc.repo import Repo; r = Repo('.'); print(json.dumps({t: sorted(s.addressing for s in "
+            "r.stage.collect(t, with_deps=True)) for t in ('admit@awq4-served', 'evaluate-candidate@awq4-served')}))")
+    upstream = json.loads(subprocess.run([sys.executable, "-c", read], cwd=tmp_path, check=True, capture_output=True,
+                                         text=True).stdout)
+    assert "quantize@awq4" in upstream["admit@awq4-served"] and "quantize@int8" not in upstream["admit@awq4-served"]
+    assert {"quantize@awq4", "admit@awq4-served", "baseline"} <= set(upstream["evaluate-candidate@awq4-served"])

@@ -5,6 +5,7 @@ like any candidate; a server that is down, unlisted or keyless is a recorded fai
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -12,10 +13,12 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from pipelines.core.params_candidates import CandidateParams
+from pipelines.core.errors import QuantgateError
+from pipelines.core.params import Params
+from pipelines.core.params_candidates import BaselineParams, CandidateParams
 from pipelines.core.params_sections import CompareParams, EvaluateParams
 from pipelines.diagnose.tools import endpoint_check
-from pipelines.evaluation import endpoints, harness
+from pipelines.evaluation import baseline_log, endpoints, harness, redeploy
 from pipelines.evaluation.plans import by_id, probe_plans
 from pipelines.judging import comparison
 from tests.llama_server import free_port, serving, write_gguf
@@ -81,6 +84,26 @@ def test_the_same_weights_served_by_llama_cpp_answer_as_they_do_in_process(serve
         == ["results", "samples_quantgate_code_comment", "samples_quantgate_math"]
 
 
+def test_a_standard_task_goes_through_the_server_with_the_settings_fp16_ran_here(served, gsm8k_files, tmp_path):
+    """gsm8k from local files, 0-shot, as `requests.math.tasks` declares it: lm-eval runs quantgate's own config of it
+    against the server (a YAML file with its functions named by module), and the answers are fp16's in-process ones,
+    item for item; the log pairs with fp16's records through the filter quantgate scores."""
+    tasks = EvaluateParams.model_validate({"tasks": {"math": [{"name": "gsm8k", "data_files": gsm8k_files,
+                                                                "num_fewshot": 0}]}}).tasks
+    params = P.model_copy(update={"domains": ["math"], "tasks": tasks})
+    plans = probe_plans(["math"], params)
+    base, base_items = harness.evaluate_variant(str(served["model"]), plans, params, "cpu", tmp_path / "base.st")
+    endpoints.admit("tiny-f32", "tiny.gguf", served["f32"], tmp_path / "variants", served["model"])
+    result, items = endpoints.evaluate("tiny-f32", tmp_path / "variants" / "tiny-f32", plans, base_items, base,
+                                       COMPARE, False, tmp_path / "log", served["model"], EVAL, 600)
+    assert result["status"] == "ok" and result["probes"]["math:gsm8k"]["status"] == "ok", result
+    mine, theirs = by_id(items, "math:gsm8k"), by_id(base_items, "math:gsm8k")
+    assert list(mine) and set(mine) <= set(theirs)
+    for item, record in mine.items():
+        assert (record["response"], record["correct"], record["prompt_hash"]) == \
+            (theirs[item]["response"], theirs[item]["correct"], theirs[item]["prompt_hash"]), item
+
+
 def test_where_they_differ_is_the_servers_default_repeat_penalty(served, tmp_path):
     """Without repeat_penalty: 1.0, llama-cpp-python's server penalizes tokens already generated even at temperature 0:
     the tiny model's near-tied generations ("1111..." vs "1 111...") change."""
@@ -102,7 +125,9 @@ def test_a_quantized_gguf_behind_a_key_is_judged_like_any_candidate(served, tmp_
     monkeypatch.setenv(KEY, "wrong")
     assert "HTTP 401" in endpoints.check(served["q8"])["problem"]
     monkeypatch.setenv(KEY, "s3cret-test-key")
-    manifest, result, items = evaluate(served, "tiny-q8", served["q8"], tmp_path)
+    # an engine knob whose string holds a comma and an "=" reaches lm-eval whole (one JSON --gen_kwargs value)
+    noted = {**served["q8"], "request_fields": {**GREEDY, "x_note": "a,b=c"}}
+    manifest, result, items = evaluate(served, "tiny-q8", noted, tmp_path)
     assert manifest["status"] == "ok"
     # what lm-eval prints of a failed request (aiohttp's error with its headers) reaches the report with no key in it
     said = endpoints.scrubbed("ClientResponseError(headers={'Authorization': 'Bearer s3cret-test-key'}) s3cret-test-key",
@@ -154,6 +179,92 @@ def test_a_server_that_is_down_or_does_not_list_the_model_is_a_recorded_failure(
     assert "ran past" not in result["error"] and time.monotonic() - started < 120  # lm-eval gave up, not the timeout
     with pytest.raises(Exception, match="unreachable"):
         endpoints.replay(dead, ["1 + 1 ="], 4)
+
+
+def test_fp16s_baseline_through_its_endpoint_is_the_baseline_fp16_gives_here(served, tmp_path):
+    """baseline.source: endpoint, through the stage's own writing (pipelines/baseline.py): fp16 served by llama.cpp
+    answers every look's item as fp16 in-process does, the multiple-choice row is refused with the server's logprob
+    problem, the log lm-eval wrote is kept, no distributions file is left, and KL is not measured for a variant
+    evaluated here (inconclusive, never a pass); a server that is down stops the stage, naming it."""
+    import contextlib
+
+    from pipelines import baseline
+    from pipelines.core.io import read_json, read_jsonl
+    from pipelines.core.paths import BASELINE_RESULTS, FIDELITY_BASE
+    from pipelines.evaluation.baseline_log import NO_DISTRIBUTIONS_SERVED
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "reference").symlink_to(served["model"])
+    (tmp_path / "eval").symlink_to(EVAL)
+    spec = tmp_path / "deploy-fp16.yaml"
+    spec.write_text("image: llama-cpp-python 0.3.36\nmodel: tiny.F32.gguf\n")
+    params = BaselineParams(source="endpoint", path=str(spec), endpoint=served["f32"])
+    with contextlib.chdir(tmp_path):
+        FIDELITY_BASE.parent.mkdir(parents=True)
+        FIDELITY_BASE.write_bytes(b"an earlier run's")
+        assert baseline._from_log(params, served["plan"], P) == 0
+        assert not FIDELITY_BASE.exists()
+        result, items = read_json(BASELINE_RESULTS / "eval.json"), read_jsonl(BASELINE_RESULTS / "items.jsonl")
+        copied = sorted(p.name.split("_2")[0] for p in (BASELINE_RESULTS / "samples").iterdir())
+        assert redeploy.stale_endpoints(Params(baseline=params.model_dump()), []) == []  # the gate's ask: fp16 still served
+        recorded = read_json(BASELINE_RESULTS / "eval.json")
+        (BASELINE_RESULTS / "eval.json").write_text(json.dumps({**recorded, "evidence": {}}))  # made before fingerprints
+        assert "baseline fp16: no fingerprint of" in redeploy.stale_endpoints(Params(baseline=params.model_dump()), [])[0]
+        down = params.model_copy(update={"endpoint": params.endpoint.model_copy(
+            update={"base_url": f"http://127.0.0.1:{free_port()}/v1"})})
+        with pytest.raises(QuantgateError, match=r"fp16's endpoint http://127.0.0.1:\d+/v1 \(tiny-f32\): .*unreachable"):
+            baseline._from_log(down, served["plan"], P)
+    assert result["baseline"] == {"source": "endpoint", "path": str(spec), "base_url": served["f32"]["base_url"],
+                                  "model": "tiny-f32"}
+    assert result["not_measured"]["fidelity"] == NO_DISTRIBUTIONS_SERVED and result["evidence"]["listed"] == ["tiny-f32"]
+    assert copied == ["results", "samples_quantgate_code_comment", "samples_quantgate_math"]
+    assert result["probes"]["chat"]["status"] == "refused"
+    assert "fp16's endpoint cannot give this row: scored by log-likelihood" in result["probes"]["chat"]["reason"]
+    here = served["base"][1]
+    for domain in GENERATED:  # every item the looks can ask, answered as fp16 answers it in-process
+        mine, theirs = by_id(items, domain), by_id(here, domain)
+        assert len(mine) == served["plan"][domain]["looks"][-1] and set(mine) == set(theirs)
+        for item, record in mine.items():
+            assert (record["response"], record["correct"], record["doc_hash"], record["prompt_hash"]) == \
+                (theirs[item]["response"], theirs[item]["correct"], theirs[item]["doc_hash"], theirs[item]["prompt_hash"])
+    assert baseline_log.unpaired_rows([r for r in here if r["domain"] in GENERATED], items) == {}
+    kl = comparison.not_checked_here({"manifest": {"source": "here"}}, None, [], result)["fidelity"]
+    assert kl["reason"] == NO_DISTRIBUTIONS_SERVED and "fp16 evaluated here" in kl["remedy"]
+
+
+def test_a_redeploy_behind_the_same_address_and_name_makes_the_gate_undecided(served, tmp_path):
+    """DVC hashes a served candidate's deployment spec, not its server: other weights behind the same URL and model
+    name leave every stage up to date. admit records the server's fingerprint and the gate asks again: the same
+    server answers the same; the same model re-quantized to Q8_0 on the same port under the same name (its greedy
+    answers to the probes unchanged on this tiny model) is named by its logprobs, and another model by its answers; a
+    server that is gone cannot vouch for the evidence; each is undecided, never a pass."""
+    from pipelines.gate import decide
+
+    other = write_gguf(served["model"], tmp_path / "other.F32.gguf", "F32", noise=0.5)
+    port = free_port()
+    endpoint = {"base_url": f"http://127.0.0.1:{port}/v1", "model": "tiny", "timeout_s": 30, "max_retries": 1,
+                "request_fields": GREEDY}
+    params = Params(candidates={"vendor": {"path": "deploy.yaml", "source": "endpoint", "endpoint": endpoint}})
+    with serving(served["tmp"] / "tiny.F32.gguf", "tiny", tmp_path / "first.log", port=port):
+        manifest = endpoints.admit("vendor", "deploy.yaml", endpoint, tmp_path / "models" / "variants", served["model"])
+        assert manifest["status"] == "ok" and len(manifest["evidence"]["fingerprint"]["greedy"]) == 3
+        assert redeploy.stale_endpoints(params, ["vendor"], tmp_path) == []  # asked again: the same answers
+    with serving(served["tmp"] / "tiny.Q8_0.gguf", "tiny", tmp_path / "second.log", port=port):
+        requantized = redeploy.stale_endpoints(params, ["vendor"], tmp_path)
+    with serving(other, "tiny", tmp_path / "third.log", port=port):
+        swapped = redeploy.stale_endpoints(params, ["vendor"], tmp_path)
+    with serving(write_gguf(served["model"], tmp_path / "tiny.F16.gguf", "F16"), "tiny", tmp_path / "f16.log", port=port):
+        rebuilt = redeploy.stale_endpoints(params, ["vendor"], tmp_path)
+    assert rebuilt == []  # what the tolerance misses (docs/evaluate.md): F16 moves the logprobs by < 0.0002 nats
+    assert len(requantized) == 1 and "candidate vendor: " in requantized[0] and "now serves another" in requantized[0]
+    assert " -> " not in requantized[0] and re.search(r"logprobs of its greedy answer to .* moved by 0\.00\d+ nats",
+                                                       requantized[0]), requantized[0]  # the same text, other numbers
+    assert re.search(r"greedy answer to '.*': '.*' -> '", swapped[0]) and "dvc repro -f -s admit@vendor" in swapped[0]
+    gone = redeploy.stale_endpoints(params, ["vendor"], tmp_path)
+    assert len(gone) == 1 and "cannot check that" in gone[0] and "unreachable" in gone[0]
+    assert redeploy.stale_endpoints(params, [], tmp_path) == []  # not gated: not asked
+    said = decide(None, None, params, [], None, ["vendor"], served=swapped)
+    assert said["verdict"] == "undecided" and said["reasons"][1] == f"  {swapped[0]}"
 
 
 def test_endpoint_params_refuse_a_key_in_params_and_a_missing_address():

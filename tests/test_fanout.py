@@ -61,6 +61,20 @@ def test_resources_come_from_params():
     params = Params(fanout={"cpus": 2, "per_variant": {"fp16": {"cpus": 4, "gpus": 2}}})
     assert tasks.resources(params, "fp16") == {"num_cpus": 4, "num_gpus": 2}
     assert tasks.resources(params, "int8") == {"num_cpus": 2, "num_gpus": 0}
+    # a task that loads no model here holds no GPU: a log or endpoint candidate's, and fp16's baseline from a log
+    served = {"base_url": "http://10.0.0.5:8000/v1", "model": "m"}
+    candidates = {"vendor": {"path": "third_party/v", "source": "checkpoint"},
+                  "logged": {"path": "logs/l", "source": "samples"},
+                  "served": {"path": "deploy.yaml", "source": "endpoint", "endpoint": served}}
+    params = Params(fanout={"gpus": 1}, candidates=candidates, baseline={"source": "samples", "path": "logs/fp16"})
+    gpus = {v: tasks.resources(params, v)["num_gpus"] for v in ("fp16", "vendor", "logged", "served")}
+    assert gpus == {"fp16": 1, "vendor": 1, "logged": 0, "served": 0}
+    assert tasks.resources(params, "fp16", "baseline")["num_gpus"] == 0 and \
+        tasks.resources(Params(fanout={"gpus": 1}), "fp16", "baseline")["num_gpus"] == 1
+    none = Params(fanout={"gpus": 0}, candidates=candidates, baseline={"source": "samples", "path": "logs/fp16"})
+    tasks.check_gpus(none, [("fp16", "baseline"), ("logged", "evaluate"), ("served", "memory")], cluster_gpus=2)
+    with pytest.raises(QuantgateError, match="fanout gives fp16, vendor none"):  # these load a model: refused
+        tasks.check_gpus(none, [("fp16", "quantize"), ("vendor", "admit"), ("logged", "admit")], cluster_gpus=2)
     with pytest.raises(ValueError, match="fanout.per_variant: 'nope' is no variant or candidate"):
         Params(fanout={"per_variant": {"nope": {"cpus": 1}}})
 
@@ -99,10 +113,10 @@ def test_a_task_without_gpus_sees_none_and_a_gpu_cluster_needs_them_declared(mon
     assert tasks.stage_env({}, gpu_ids=None)["CUDA_VISIBLE_DEVICES"] == "0,1"  # outside Ray: untouched
     params = Params(fanout={"per_variant": {"fp16": {"cpus": 1, "gpus": 2}}})
     with pytest.raises(QuantgateError, match=r"2 GPU\(s\), but fanout gives int8, awq4 none"):
-        tasks.check_gpus(params, ["fp16", "int8", "awq4", "int8"], cluster_gpus=2)
-    tasks.check_gpus(params, ["fp16"], cluster_gpus=2)  # every variant that runs has GPUs
-    tasks.check_gpus(params, ["int8"], cluster_gpus=0)  # a CPU cluster
-    tasks.check_gpus(Params(device="cpu"), ["int8"], cluster_gpus=2)  # CPU asked for, as under dvc repro
+        tasks.check_gpus(params, [(v, "quantize") for v in ("fp16", "int8", "awq4", "int8")], cluster_gpus=2)
+    tasks.check_gpus(params, [("fp16", "quantize")], cluster_gpus=2)  # every variant that runs has GPUs
+    tasks.check_gpus(params, [("int8", "memory")], cluster_gpus=0)  # a CPU cluster
+    tasks.check_gpus(Params(device="cpu"), [("int8", "memory")], cluster_gpus=2)  # CPU asked for, as under dvc repro
 
 
 def test_a_stage_that_cannot_start_on_its_node_is_a_failure_with_the_cause(tmp_path):
@@ -274,6 +288,15 @@ def test_inputs_edited_while_the_chains_run_are_noticed(tmp_path):
     assert tasks.inputs_fingerprint(tmp_path, params) == before
     (tmp_path / "eval" / "math" / "items.jsonl").write_text('{"id": 1}\n')
     assert tasks.inputs_fingerprint(tmp_path, params) != before
+    # a candidate's own files are inputs; a served variant's checkpoint (models/variants/awq4) is what the chains write
+    for where in ("third_party/vendor", "models/variants/awq4"):
+        (tmp_path / where).mkdir(parents=True)
+        (tmp_path / where / "model.safetensors").write_bytes(b"weights")
+    served = {"base_url": "http://10.0.0.5:8000/v1", "model": "m"}
+    params = Params(candidates={"vendor": {"path": "third_party/vendor"}, "awq4-served": {
+        "path": "models/variants/awq4", "source": "endpoint", "endpoint": served}})
+    read = {p.removeprefix(f"{tmp_path}/") for p in tasks.inputs_fingerprint(tmp_path, params)}
+    assert "third_party/vendor/model.safetensors" in read and not any(p.startswith("models/") for p in read)
 
 
 def stop_cluster_in(temp: Path) -> None:

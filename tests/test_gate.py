@@ -389,3 +389,4 @@ def test_the_rerun_names_the_stages_that_changed_after_the_comparison():
     edited = {**judged, "reference": "x"}
     assert rerun_command(edited, digest_of_stages(judged), now) == "dvc repro --force"
     assert rerun_command(["reference"], digest_of_stages(judged), now) == "dvc repro --force"
+

@@ -1,8 +1,12 @@
-"""`quantgate gate` and the shadow replay: report.md shows the agreement behind each routed row, and a variant whose
-replay failed, or that the replay refused for every request type, fails the release."""
+"""`quantgate gate` and the models as served: report.md shows the shadow replay's agreement behind each routed row, a
+variant whose replay failed, or that the replay refused for every request type, fails the release, and a served model
+whose server answers otherwise than when it was evaluated leaves it undecided."""
 
 from __future__ import annotations
 
+import pytest
+
+from pipelines import gate
 from pipelines.core.io import read_json, write_json
 from tests.handmade import rerun_compare, write_pipeline, write_shadow
 from tests.store_helpers import answers, run_gate
@@ -41,3 +45,22 @@ def test_a_variant_whose_replay_failed_or_was_refused_everywhere_fails(repo):
     write_shadow(repo, {"int8": {"math": 0.9, "code": 0.8}})
     rerun_compare(repo)
     assert run_gate("--variant", "int8")[0] == 0
+
+
+def test_a_served_model_that_changed_since_it_was_evaluated_cannot_pass(repo, monkeypatch):
+    """The gate asks each gated endpoint's server again (pipelines/evaluation/redeploy.py, against a real server in
+    tests/test_endpoints.py): what it reports makes the verdict undecided, and the audit is not run on top."""
+    from pipelines.evaluation import redeploy
+
+    write_pipeline(repo, answers())
+    asked = []
+    said = "candidate int8: http://10.0.0.5:8000/v1 (int8) now serves another model than was evaluated"
+    monkeypatch.setattr(redeploy, "stale_endpoints", lambda params, names: asked.append(names) or [said])
+    monkeypatch.setattr(gate, "_audit", lambda *a: pytest.fail("audited a result the server already made undecided"))
+    code, result, report = run_gate("--variant", "int8", "--audit")
+    assert (code, result["verdict"]) == (2, "undecided") and asked == [["int8"]]
+    assert result["reasons"][1] == f"  {said}" and "DVC hashes its deployment spec" in result["reasons"][0]
+    monkeypatch.setattr(redeploy, "stale_endpoints", lambda params, names: asked.append(names) or [])
+    assert run_gate("--variant", "int8")[0] == 0
+    run_gate("--variant", "int8", "--variant", "awq4")  # awq4 fails in compare.json: its server cannot change that
+    assert asked[-1] == ["int8"]

@@ -298,7 +298,7 @@ def test_a_types_outcome_is_its_own_reference_or_else_math_s_final_number():
     assert (cells["chat"]["all"]["outcome"]["fp16_correct"], cells["chat"]["all"]["outcome"]["variant_correct"]) == (1.0, 0.0)
 
 
-def test_the_replays_charts_draw_agreement_and_latency_and_an_empty_replay(tmp_path):
+def test_the_replays_charts_draw_agreement_and_latency_and_an_empty_replay(tmp_path, monkeypatch):
     report = {"models": {"int8": {"agreement": {"math": {"all": {"exact": {"share": 0.9}}}}}, "fp16": {}}}
     timings = {"fp16": {"ttft_ms": [3.0, 1.0, 2.0], "tpot_ms": [0.5]}, "int8": {"ttft_ms": [], "tpot_ms": [0.7]}}
     drawn = [replay_plots.agreement_chart(tmp_path / "a.png", report),
@@ -306,6 +306,16 @@ def test_the_replays_charts_draw_agreement_and_latency_and_an_empty_replay(tmp_p
              replay_plots.latency_chart(tmp_path / "l.png", timings)]
     assert [p.name for p in drawn] == ["a.png", "none.png", "l.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" and p.stat().st_size > 1000 for p in drawn)
+    # a model replayed through its endpoint adds a third panel: its requests' latency seen from the client
+    panels = []
+    saving = replay_plots.save
+    monkeypatch.setattr(replay_plots, "save", lambda fig, path: panels.append(
+        [(ax.get_title(), [line.get_label() for line in ax.get_lines()]) for ax in fig.axes]) or saving(fig, path))
+    replay_plots.latency_chart(tmp_path / "served.png", {**timings, "vendor": {"client_ms": [120.0, 95.5]}})
+    replay_plots.latency_chart(tmp_path / "here.png", timings)
+    assert panels[0] == [("time to first token", ["fp16"]), ("time per output token", ["fp16", "int8"]),
+                         ("request seen from the client (endpoints)", ["vendor"])]
+    assert [title for title, _ in panels[1]] == ["time to first token", "time per output token"]
 
 
 def test_the_engine_answers_greedily_the_same_for_a_copy_and_otherwise_for_a_noisy_one(variants):

@@ -77,3 +77,19 @@ def test_the_saved_view_grows_with_new_request_types(tmp_path):
     tags = [c for c in state["selectedColumns"] if c.startswith("tags.")]
     assert tags == ["tags.`verdict.math`", "tags.`verdict.code`", "tags.`verdict.sql`"]
     assert "metrics.`sql/kl/p95`" in state["selectedColumns"] and envelope["createdAt"] == json.loads(first)["createdAt"]
+
+
+def test_a_model_replayed_through_its_endpoint_logs_its_client_side_latency():
+    """shadow_metrics.json's client_ms (pipelines/shadow.py) reaches the shadow child's metrics and latency table."""
+    shadow = {"models": {"fp16": {"status": "ok"}, "vendor": {"status": "ok"}}}
+    measured = {"models": {
+        "fp16": {"latency": {"ttft_ms": {"p50": 10.0, "p99": 40.0}, "tpot_ms": {"p50": 2.0, "p99": 7.0},
+                             "tokens_per_s": 900.0}, "memory": None, "seconds": 3.0},
+        "vendor": {"latency": {"client_ms": {"p50": 120.5, "p99": 480.0}}, "endpoint": "http://10.0.0.5:8000/v1",
+                   "memory": None, "seconds": 9.0}}}
+    metrics = layout.shadow_metrics(shadow, measured)
+    assert (metrics["latency/vendor/client_ms_p50"], metrics["latency/vendor/client_ms_p99"]) == (120.5, 480.0)
+    assert "latency/fp16/client_ms_p50" not in metrics and "latency/vendor/ttft_ms_p50" not in metrics
+    rows = {r["model"]: r for r in layout.shadow_latency_rows(shadow, measured)}
+    assert (rows["vendor"]["client_ms_p99"], rows["vendor"]["endpoint"]) == (480.0, "http://10.0.0.5:8000/v1")
+    assert rows["fp16"]["client_ms_p50"] is None and rows["fp16"]["ttft_ms_p99"] == 40.0

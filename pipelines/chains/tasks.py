@@ -2,18 +2,17 @@
 dvc.lock as if `dvc repro` had run them: what `quantgate fanout` (a cluster) and `quantgate repro` (a private local
 cluster) share.
 
-Ray schedules; quantgate only says what depends on what. Each stage of a chain runs as one Ray task that
-runs the stage's own `quantgate` command in a subprocess (so in its own process, as `dvc repro` would run
-it, with the same thread count: see `stage_env`), asking for the resources `fanout` in params.yaml gives
-its variant. The workspace must be one filesystem that every node sees (NFS or the like: docs/fanout.md):
-outputs land where `dvc repro` puts them, each written atomically by the stage itself. When every task
-has ended, `dvc commit` records the stages that ran in dvc.lock, so `dvc status` is clean for them and the
-gate accepts their results.
+Ray schedules; quantgate only says what depends on what. Each stage of a chain runs as one Ray task that runs the
+stage's own `quantgate` command in a subprocess (so in its own process, as `dvc repro` would run it, with the same
+thread count: see `stage_env`), asking for the resources `fanout` in params.yaml gives its variant. The workspace must
+be one filesystem that every node sees (NFS or the like: docs/fanout.md): outputs land where `dvc repro` puts them,
+each written atomically by the stage itself. When every task has ended, `dvc commit` records the stages that ran in
+dvc.lock, so `dvc status` is clean for them and the gate accepts their results.
 
-Faults: a task whose worker dies (a node lost, SIGKILL) is retried `fanout.retries` times by Ray; a stage
-command killed by its timeout (the stage's own timeout from params plus `fanout.timeout_margin_seconds`),
-or whose retries ran out, is recorded as that variant's failure with the cause (`--failed-because`), and
-the stages after it run as they would after any failure. Only the fp16 baseline is fatal, as in `dvc repro`.
+Faults: a task whose worker dies (a node lost, SIGKILL) is retried `fanout.retries` times by Ray; a stage command
+killed by its timeout (the stage's own timeout from params plus `fanout.timeout_margin_seconds`), or whose retries ran
+out, is recorded as that variant's failure with the cause (`--failed-because`), and the stages after it run as they
+would after any failure. Only the fp16 baseline is fatal, as in `dvc repro`.
 """
 
 from __future__ import annotations
@@ -87,11 +86,12 @@ def chain_stages(params) -> dict[str, Stage]:
 
 def inputs_fingerprint(root: Path, params) -> dict[str, list[int]]:
     """(size, mtime) of every file the chains read that a person could edit while they run: params.yaml, dvc.yaml,
-    the code, the probes, the calibration sets, the reference model, the candidates' folders and fp16's sample log. `dvc commit` records
-    the inputs as they are when it runs; if they changed since the tasks started, it would vouch for outputs made
-    from other inputs, so the fan-out refuses to commit instead."""
+    the code, the probes, the calibration sets, the reference model, the candidates' paths (not a variant's checkpoint
+    a served copy names: the chains write it) and fp16's log. `dvc commit` records the inputs as they are when it runs;
+    if they changed since the tasks started, it would vouch for other inputs' outputs, so the fan-out refuses to."""
     paths = [root / PARAMS_FILE, root / DVC_YAML, root / "pipelines", root / EVAL_DIR, root / "calibration_sets",
-             root / REFERENCE_DIR, *[(root / c.path) for c in params.candidates.values()],
+             root / REFERENCE_DIR, *[(root / c.path) for c in params.candidates.values() if Path(c.path).parts[:1]
+                                     not in (("models",), ("results",))],
              *([root / params.baseline.path] if params.baseline.source != "here" else [])]  # fp16's sample log
     seen: dict[str, list[int]] = {}
     for top in paths:
@@ -125,10 +125,17 @@ def dvc_bin() -> str:
     return str(Path(sys.executable).with_name("dvc"))
 
 
-def resources(params, variant: str) -> dict:
-    """Ray resources of one task: the variant's own in fanout.per_variant, else fanout's defaults."""
+def loads_no_model(params, variant: str, kind: str | None = None) -> bool:
+    """A task that needs no GPU: a log or endpoint candidate's, and the baseline's when fp16 comes from either."""
+    candidate = params.candidates.get(variant)
+    return bool(candidate and candidate.source != "checkpoint") or (kind == "baseline" and params.baseline.source != "here")
+
+
+def resources(params, variant: str, kind: str | None = None) -> dict:
+    """Ray resources of one task (`kind`: its stage's): fanout.per_variant's for the variant, else fanout's; no GPU
+    held idle by a task that loads no model here."""
     r = params.fanout.per_variant.get(variant, params.fanout)
-    return {"num_cpus": r.cpus, "num_gpus": r.gpus}
+    return {"num_cpus": r.cpus, "num_gpus": 0 if loads_no_model(params, variant, kind) else r.gpus}
 
 
 def _die_with_parent() -> None:
@@ -144,14 +151,11 @@ def _die_with_parent() -> None:
 
 def thread_settings() -> dict[str, str]:
     """The OpenMP settings every stage of a fan-out gets, taken where `quantgate fanout` runs.
-
-    - `OMP_NUM_THREADS`, `MKL_NUM_THREADS`: this shell's, or none. A stage's thread count sets torch's float
-      summation order, and so can change a greedy answer; without them a stage uses torch's default, as under
-      `dvc repro` from the same shell, whatever Ray's task or `ray start` environment says (see `stage_env`).
-    - `OMP_WAIT_POLICY`: this shell's, else PASSIVE. Stages side by side share a node's cores, and an idle
-      OpenMP thread busy-waits (libgomp's default) on a core the next stage needs: two evaluates at once
-      took 166 s with the default, 87 s with PASSIVE (143 s one after the other; docs/fanout.md). The wait
-      policy changes no arithmetic."""
+    - `OMP_NUM_THREADS`, `MKL_NUM_THREADS`: this shell's, or none (torch's default, as under `dvc repro`, whatever
+      Ray's environment says: `stage_env`). A thread count sets torch's summation order: it can change an answer.
+    - `OMP_WAIT_POLICY`: this shell's, else PASSIVE: an idle OpenMP thread busy-waits (libgomp's default) on a core
+      the next stage needs: two evaluates at once took 166 s so, 87 s with PASSIVE (docs/fanout.md); no arithmetic
+      changes."""
     settings = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     settings.update({name: os.environ[name] for name in THREAD_COUNTS if name in os.environ})
     return settings
@@ -178,17 +182,18 @@ class GpusNotGiven(QuantgateError):
     """The cluster has GPUs and fanout gives a variant's tasks none (`quantgate repro` then runs plain `dvc repro`)."""
 
 
-def check_gpus(params, variants: list[str], cluster_gpus: float) -> None:
-    """Refuse a fan-out whose stages would run on the CPU where `dvc repro` runs on CUDA: on a cluster with GPUs,
-    a task given no GPU sees none (`stage_env`), so a `device: auto` stage would fall back to the CPU and give
-    other answers than a GPU run."""
+def check_gpus(params, todo: list[tuple[str, str]], cluster_gpus: float) -> None:
+    """Refuse a fan-out whose stages (`todo`: (variant, kind) of each) would run on the CPU where `dvc repro` runs on
+    CUDA: on a cluster with GPUs, a task given no GPU sees none (`stage_env`), so a `device: auto` stage would fall
+    back to the CPU and give other answers than a GPU run. A task that loads no model needs none."""
     if params.device == "cpu" or not cluster_gpus:
         return
-    without = [v for v in dict.fromkeys(variants) if not resources(params, v)["num_gpus"]]
+    without = list(dict.fromkeys(v for v, kind in todo if not loads_no_model(params, v, kind)
+                                 and not resources(params, v, kind)["num_gpus"]))
     if without:
-        raise GpusNotGiven(f"the cluster has {cluster_gpus:g} GPU(s), but fanout gives {', '.join(without)} none "
-                             "(fanout.gpus, fanout.per_variant in params.yaml): their stages would run on the CPU, "
-                             f"unlike `dvc repro` with device: {params.device}; give them GPUs, or set device: cpu")
+        raise GpusNotGiven(f"the cluster has {cluster_gpus:g} GPU(s), but fanout gives {', '.join(without)} none (fanout"
+                           f".gpus, .per_variant): their stages would run on the CPU, unlike `dvc repro` with device: "
+                           f"{params.device}; give them GPUs, or set device: cpu")
 
 
 def _task_gpus() -> list | None:
@@ -202,9 +207,8 @@ def _task_gpus() -> list | None:
 
 
 def run_stage(root: str, stage: Stage, env: dict, *upstream) -> dict:
-    """Run one stage's command in `root` (a Ray task's body). Never raises for the stage's own failure: returns
-    what happened, so the driver records it. `upstream`: the results of the stages it waits for; if one of
-    them failed, it does not run (the driver records that failure first, then runs it)."""
+    """Run one stage's command in `root` (a Ray task's body). Never raises for the stage's own failure: returns what
+    happened, for the driver to record. `upstream`: the results it waits for; if one failed, it does not run."""
     failed = [u["stage"] for u in upstream if not u.get("ok")]
     if failed:
         return {"stage": stage.name, "ok": False, "upstream_failed": True, "error": f"{', '.join(failed)} failed first"}
@@ -268,16 +272,14 @@ def without_token(environ: dict) -> dict:
 
 @contextlib.contextmanager
 def one_run_at_a_time(root: Path):
-    """An exclusive lock for the run: two fan-outs (or a fan-out and another repro) in one workspace would commit
-    one run's results against the other's checkpoints."""
+    """An exclusive lock: two runs in one workspace would commit one's results against the other's checkpoints."""
     path = root / ".dvc" / "tmp" / "quantgate-repro.lock"
     path.parent.mkdir(exist_ok=True)  # .dvc/tmp: git-ignored by DVC's own .dvc/.gitignore
     with open(path, "w") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise QuantgateError(f"another quantgate repro or fanout is running in {root} (it holds {path}): "
-                                 "wait for it") from None
+            raise QuantgateError(f"another quantgate repro or fanout is running in {root} (it holds {path})") from None
         yield
 
 
@@ -309,14 +311,14 @@ def run_chains(root: Path, params, address: str | None, env: dict | None = None,
             connect(None, insecure)
         import ray
 
-        check_gpus(params, [stages[name].variant for name in todo], ray.cluster_resources().get("GPU", 0))
+        check_gpus(params, [(stages[n].variant, stages[n].kind) for n in todo], ray.cluster_resources().get("GPU", 0))
         remote = ray.remote(max_retries=params.fanout.retries, retry_exceptions=False)(run_stage)
         refs: dict[str, object] = {}
         started = time.monotonic()
         for name in todo:
             stage = stages[name]
             ups = [refs[u] for u in stage.after if u in refs]
-            refs[name] = remote.options(name=name, **resources(params, stage.variant)).remote(str(root), stage, env, *ups)
+            refs[name] = remote.options(name=name, **resources(params, stage.variant, stage.kind)).remote(str(root), stage, env, *ups)
         results = _gather(refs, stages)
         report["wall_seconds"] = round(time.monotonic() - started, 1)
     finally:

@@ -86,19 +86,28 @@ BASELINE_HERE = "models/variants/fp16"  # the baseline stage's input when fp16 i
 
 
 class BaselineParams(Section):
-    """Where fp16's answers come from: evaluated here (the default), or the lm-eval sample log of fp16 evaluated where
-    it really runs, for a team whose fp16 only fits its GPU fleet (pipelines/evaluation/baseline_log.py). `path` is
-    the baseline stage's DVC dependency, so an edited log is a stale input like any other."""
+    """Where fp16's answers come from: evaluated here (the default), from the lm-eval sample log of fp16 evaluated where
+    it really runs, or through the OpenAI-compatible endpoint it is served at, for a team whose fp16 only fits its GPU
+    fleet (pipelines/evaluation/baseline_log.py). `path` is the baseline stage's DVC dependency, so an edited log or
+    deployment spec is a stale input like any other."""
 
-    source: Literal["here", "samples"] = "here"
-    path: str = BASELINE_HERE  # source samples: the `lm_eval ... --log_samples --output_path` folder of fp16's one run
+    source: Literal["here", "samples", "endpoint"] = "here"
+    # source samples: the `lm_eval ... --log_samples --output_path` folder of fp16's one run; source endpoint: a file
+    # or folder that says what the endpoint serves (its deployment spec), which DVC hashes: a redeploy that edits it
+    # evaluates fp16 again
+    path: str = BASELINE_HERE
+    endpoint: EndpointParams | None = None  # source endpoint: where fp16 is served ({base_url, model, api_key_env})
 
     @model_validator(mode="after")
     def _path_goes_with_source(self):
         path = self.path.strip().rstrip("/")
         if self.source == "here" and path != BASELINE_HERE:
-            raise ValueError(f"path: fp16 evaluated here reads {BASELINE_HERE}; set source: samples for a log")
-        if self.source == "samples" and (path in ("", ".", "..") or path.split("/")[0] in ("models", "results")):
-            raise ValueError(f"path {self.path!r}: source samples needs the folder of fp16's lm-eval sample log, "
-                             "outside models/ and results/ (what the pipeline writes)")
+            raise ValueError(f"path: fp16 evaluated here reads {BASELINE_HERE}; set source: samples for a log, "
+                             "endpoint for a server")
+        what = {"samples": "the folder of fp16's lm-eval sample log", "endpoint": "fp16's deployment spec"}
+        if self.source != "here" and (path in ("", ".", "..") or path.split("/")[0] in ("models", "results")):
+            raise ValueError(f"path {self.path!r}: source {self.source} needs {what[self.source]}, outside models/ "
+                             "and results/ (what the pipeline writes)")
+        if (self.source == "endpoint") != (self.endpoint is not None):
+            raise ValueError("endpoint: source endpoint needs endpoint {base_url, model}, and only it takes one")
         return self

@@ -122,15 +122,16 @@ def dvc_check() -> Check:
     return Check("dvc", FAIL, "dvc is not installed", "bash scripts/setup.sh")
 
 
-def endpoint_check(name: str, endpoint: dict) -> Check:
-    """A candidate's server (candidates.<name>.endpoint): reachable, the model listed, prompt logprobs returned (what
-    lm-eval's log-likelihood tasks need; without them those rows are refused and the generation rows still judged)."""
+def endpoint_check(name: str, endpoint: dict, key: str | None = None) -> Check:
+    """A candidate's server (candidates.<name>.endpoint), or fp16's (baseline.endpoint, `key` its params key):
+    reachable, the model listed, prompt logprobs returned (what lm-eval's log-likelihood tasks need; without them those
+    rows are refused and the generation rows still judged)."""
     from pipelines.evaluation.endpoints import check
 
     label = f"endpoint {name}"
     state = check(endpoint)
     if state["problem"]:
-        return Check(label, FAIL, state["problem"], "start the server, or fix candidates." + name + ".endpoint "
+        return Check(label, FAIL, state["problem"], f"start the server, or fix {key or 'candidates.' + name}.endpoint "
                      "(base_url up to /v1, model as /v1/models lists it, api_key_env naming a set variable)")
     if not state["logprobs"]:
         return Check(label, WARN, f"{endpoint['base_url']} serves {endpoint['model']!r}, but {state['logprobs_problem']}: "

@@ -1,7 +1,8 @@
 """fp16's baseline from an lm-eval sample log: for a team whose fp16 runs only on its GPU fleet, the answers every
-variant and candidate is paired with come from `lm_eval --model vllm ... --log_samples` there, not from a run here.
+variant and candidate is paired with come from `lm_eval --model vllm ... --log_samples` there, or from lm-eval run here
+against the OpenAI-compatible endpoint fp16 is served at (`from_endpoint`), not from a run of the model here.
 
-params.yaml `baseline: {source: samples, path: DIR}`; the baseline stage reads the log whole (pipelines/evaluation/
+params.yaml `baseline: {source: samples, path: DIR}` (or `{source: endpoint, path: SPEC, endpoint: {...}}`); the baseline stage reads the log whole (pipelines/evaluation/
 sample_logs.py: one run, every line a record, errors naming file and line) and, per row, keeps every item of every
 look, each checked against this checkout's task: the task version, each item's doc hash against the doc the task here
 loads (so the log answered these items, not another pool's), and each answer scored again by the task's own scorer.
@@ -24,21 +25,24 @@ from pipelines.evaluation.plans import row_of
 SOURCE = sample_logs.SOURCE
 NO_DISTRIBUTIONS = ("fp16's baseline is an lm-eval sample log (baseline.source: samples): it holds no token "
                     "distributions to compare with (KL, top-1 agreement)")
+NO_DISTRIBUTIONS_SERVED = ("fp16's baseline was evaluated through its endpoint (baseline.source: endpoint), which returns "
+                           "sampled tokens and at most top logprobs, not the token distributions KL and top-1 agreement "
+                           "compare")
 
 
-def evaluate(folder: str | Path, plans: dict[str, dict], copy_to: Path,
-             allow_unisolated_code: bool = False) -> tuple[dict, list[dict]]:
+def evaluate(folder: str | Path, plans: dict[str, dict], copy_to: Path, allow_unisolated_code: bool = False,
+             engine_fields: dict | None = None) -> tuple[dict, list[dict]]:
     """The baseline stage's (result, per-item records) from fp16's log in `folder`, copied into `copy_to` (the
     stage's output) with each file's sha256. A log that does not read is a failed result with the reason; the stage
     stops on it, as it does when fp16 cannot be evaluated here. `allow_unisolated_code`: as for fp16 evaluated here,
-    for scoring its code answers again."""
+    for scoring its code answers again; `engine_fields`: the --gen_kwargs an endpoint's run passed on purpose."""
     import os
 
     os.environ["QUANTGATE_ALLOW_UNISOLATED_CODE"] = "1" if allow_unisolated_code else "0"
     result: dict = {"variant": "fp16", "device": None, "batch_size": None, "fidelity": None,
                     "not_measured": {"fidelity": NO_DISTRIBUTIONS}, "baseline": {"source": SOURCE, "path": str(folder)}}
     try:
-        log = sample_logs.read_log(folder)
+        log = sample_logs.read_log(folder, engine_fields)
         _of_an_unquantized_model(log)
         shutil.rmtree(copy_to, ignore_errors=True)  # a former log's files never stay beside this one's
         result["evidence"] = {**log.describe(), "files": sample_logs.copy_log(log, copy_to)}
@@ -59,6 +63,55 @@ def evaluate(folder: str | Path, plans: dict[str, dict], copy_to: Path,
         return {**result, "status": "failed", "error": f"{folder}: could not be read: {type(err).__name__}: "
                                                        f"{err}"[:2000]}, []
     result.update({"status": "ok", "probes": summary})
+    return result, items
+
+
+def from_endpoint(endpoint: dict, spec: str, plans: dict[str, dict], copy_to: Path, tokenizer_dir: Path,
+                  eval_dir: Path, timeout_s: int, allow_unisolated_code: bool = False) -> tuple[dict, list[dict]]:
+    """fp16's baseline through the OpenAI-compatible endpoint it is served at (baseline.source: endpoint, `spec` its
+    deployment spec): the server checked as admit checks a candidate's (pipelines/evaluation/endpoints.py), lm-eval's
+    local-completions run on every item the looks can ask, and the sample log it writes read exactly as a team's log
+    of fp16 (`evaluate`) and kept in `copy_to`. A row the server cannot give (standard tasks; log-likelihood rows
+    without usable prompt logprobs) is refused with the reason; a server that does not answer, or that can give no
+    row, is a failed result, which stops the stage as fp16 failing here does."""
+    import tempfile
+
+    from pipelines.evaluation import endpoints
+    from pipelines.evaluation.plans import lm_eval_samples
+
+    served = {"source": endpoints.SOURCE, "path": spec, "base_url": endpoint["base_url"], "model": endpoint["model"]}
+    failed = {"variant": "fp16", "device": None, "batch_size": 1, "fidelity": None, "status": "failed",
+              "not_measured": {"fidelity": NO_DISTRIBUTIONS_SERVED}, "baseline": served}
+    from pipelines.evaluation.redeploy import fingerprint
+
+    state = endpoints.check(endpoint, tokenizer_dir)
+    try:  # what the gate asks again (pipelines/evaluation/redeploy.py)
+        state["fingerprint"] = None if state["problem"] else fingerprint(endpoint)
+    except QuantgateError as err:
+        state["problem"] = f"no fingerprint of the served model: {err}"
+    if state["problem"]:
+        return {**failed, "error": f"{state['problem']} (once the server is up: dvc repro baseline)"}, []
+    skipped = endpoints.unservable_rows(plans, endpoint, state, eval_dir, [])
+    servable = {row: plan for row, plan in plans.items() if row not in skipped}
+    tasks = {task: positions for task, positions in lm_eval_samples(servable, eval_dir).items() if positions}
+    if not tasks:
+        return {**failed, "error": f"{endpoint['base_url']} can give none of the rows: " + "; ".join(
+            f"{row}: {why}" for row, why in skipped.items())}, []
+    try:
+        with tempfile.TemporaryDirectory(prefix="lm-eval-baseline-") as tmp:
+            endpoints.run_lm_eval(endpoint, tasks, tokenizer_dir, eval_dir, Path(tmp), timeout_s, allow_unisolated_code)
+            result, items = evaluate(tmp, servable, copy_to, allow_unisolated_code, endpoint.get("request_fields"))
+        endpoints.still_served("baseline fp16", endpoint, state["fingerprint"], "dvc repro -f -s baseline")
+    except QuantgateError as err:
+        return {**failed, "error": endpoints.scrubbed(str(err), endpoint)}, []
+    if result["status"] != "ok":
+        return {**failed, "error": endpoints.scrubbed(result["error"], endpoint)}, []
+    result.update(baseline=served, not_measured={"fidelity": NO_DISTRIBUTIONS_SERVED})
+    result["evidence"].update(base_url=endpoint["base_url"], model=endpoint["model"], listed=state["models"],
+                              logprobs=state["logprobs"], logprobs_problem=state["logprobs_problem"],
+                              fingerprint=state["fingerprint"])
+    result["probes"] = {row: result["probes"].get(row) or endpoints.refused_row(plans[row], f"fp16's endpoint cannot give this row: {skipped[row]}")
+                        for row in plans}  # the plan's order, the refused rows with their reasons
     return result, items
 
 

@@ -36,11 +36,11 @@ def _key(endpoint: dict) -> str | None:
     name = endpoint.get("api_key_env")
     if name and not os.environ.get(name):
         raise QuantgateError(f"{endpoint['base_url']}: environment variable {name} is not set (the key that "
-                             "candidates.<name>.endpoint.api_key_env names)")
+                             "endpoint.api_key_env names)")
     return os.environ.get(name) if name else None
 
 
-def _call(endpoint: dict, method: str, route: str, body: dict | None = None) -> dict:
+def call(endpoint: dict, method: str, route: str, body: dict | None = None) -> dict:
     """One request to the server; any failure a QuantgateError naming the URL and what came back."""
     import requests
 
@@ -78,14 +78,14 @@ def _prompt_logprobs(endpoint: dict, tokenizer_dir: Path | None) -> tuple[bool, 
         count = lambda text: len(tok(text, add_special_tokens=False)["input_ids"])  # noqa: E731 - as lm-eval counts
     for prompt in PROBES:
         body = {"model": endpoint["model"], "max_tokens": 1, "temperature": 0, "logprobs": 1}  # lm-eval's own payload
-        first = _call(endpoint, "POST", "completions", {**body, "prompt": prompt})
+        first = call(endpoint, "POST", "completions", {**body, "prompt": prompt})
         if count and first["usage"]["prompt_tokens"] != count(prompt):
             return False, (f"the server counts {first['usage']['prompt_tokens']} tokens in {prompt!r}, the model's "
                            f"tokenizer {count(prompt)} (a BOS or template it adds?): lm-eval's continuation slices would "
                            "be off by that much")
         token = first["choices"][0]["text"]
         next_logprob = first["choices"][0]["logprobs"]["token_logprobs"][0]
-        echoed = _call(endpoint, "POST", "completions", {**body, "prompt": prompt + token, "echo": True})
+        echoed = call(endpoint, "POST", "completions", {**body, "prompt": prompt + token, "echo": True})
         n, made = echoed["usage"]["prompt_tokens"], echoed["usage"]["completion_tokens"]
         values = echoed["choices"][0]["logprobs"]["token_logprobs"] or []
         if len(values) != n + made:
@@ -112,7 +112,7 @@ def check(endpoint: dict, tokenizer_dir: Path | None = None) -> dict:
     lm-eval does not count would shift every continuation by a token."""
     out = {"reachable": False, "listed": False, "logprobs": False, "models": [], "problem": None}
     try:
-        listing = _call(endpoint, "GET", "models")
+        listing = call(endpoint, "GET", "models")
     except QuantgateError as err:
         return {**out, "problem": str(err)}
     data = listing.get("data") if isinstance(listing, dict) else None
@@ -136,7 +136,14 @@ def admit(name: str, path: str, endpoint: dict, out_root: Path, tokenizer_dir: P
 
     manifest = {"variant": name, "candidate": True, "source": SOURCE, "source_path": str(path), "method": SOURCE,
                 "dtype": None, "endpoint": endpoint}
+    from pipelines.evaluation.redeploy import fingerprint
+
     state = check(endpoint, tokenizer_dir)
+    if not state["problem"]:
+        try:  # what the gate asks again: another model behind this address since is a stale evaluation
+            state["fingerprint"] = fingerprint(endpoint)
+        except QuantgateError as err:
+            state["problem"] = f"no fingerprint of the served model: {err}"
     if state["problem"]:
         why = f"{state['problem']} (once the server is up: dvc repro -f admit@{name})"
         manifest.update({"status": "failed", "reasons": [why], "error": f"endpoint refused: {why}",
@@ -145,7 +152,8 @@ def admit(name: str, path: str, endpoint: dict, out_root: Path, tokenizer_dir: P
         manifest.update({"status": "ok", "validation": {"admitted": True, "reasons": []},
                          "evidence": {"backend": BACKEND, "base_url": endpoint["base_url"], "model": endpoint["model"],
                                       "listed": state["models"], "logprobs": state["logprobs"],
-                                      "logprobs_problem": state["logprobs_problem"]}})
+                                      "logprobs_problem": state["logprobs_problem"],
+                                      "fingerprint": state["fingerprint"]}})
     with atomic_dir(out_root / name) as tmp:
         write_json(tmp / MANIFEST, manifest)
     return manifest
@@ -185,7 +193,7 @@ def run_lm_eval(endpoint: dict, tasks: dict[str, list[int]], tokenizer_dir: Path
            "--tasks", ",".join(tasks), "--include_path", str(eval_dir), "--batch_size", "1", "--seed", "0",
            "--log_samples", "--output_path", str(out), "--samples", json.dumps(tasks), "--confirm_run_unsafe_code"]
     if endpoint.get("request_fields"):  # an engine's own knobs (endpoint.request_fields), on every generation request
-        cmd += ["--gen_kwargs", ",".join(f"{k}={v}" for k, v in endpoint["request_fields"].items())]
+        cmd += ["--gen_kwargs", json.dumps(endpoint["request_fields"])]  # JSON: a value may hold a comma or an "="
     env = {**os.environ, "OPENAI_API_KEY": _key(endpoint) or "EMPTY", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            # code answers scored as fp16's were: in the sandbox, or unisolated where evaluate.allow_unisolated_code says
            "QUANTGATE_ALLOW_UNISOLATED_CODE": "1" if allow_unisolated_code else "0"}
@@ -209,6 +217,40 @@ def _needs_logprobs(plan: dict, types: dict[str, str], base_items: list[dict], r
     if "spec" not in plan:
         return types.get(plan["probe"]["task"], "generate_until") in LOGPROB_TYPES
     return any(r.get("chance") for r in base_items if r.get("domain") == plan["domain"] and r.get("task") == plan["task"])
+
+
+def still_served(label: str, endpoint: dict, recorded: dict | None, remedy: str) -> None:
+    """Raises QuantgateError unless the server still answers as when `recorded` was taken (before its evaluation): a
+    redeploy during the run would mix two models' answers in one log (pipelines/evaluation/redeploy.py)."""
+    from pipelines.evaluation.redeploy import redeployed
+
+    changed = redeployed(label, endpoint, recorded, remedy)
+    if changed:
+        raise QuantgateError(f"the server changed while it was evaluated: {changed}")
+
+
+def unservable_rows(plans: dict[str, dict], endpoint: dict, evidence: dict, eval_dir: Path,
+                    base_items: list[dict]) -> dict[str, str]:
+    """{row: why} for the rows this endpoint cannot be judged on: standard tasks (fp16 ran them here with quantgate's
+    own task settings, which a run through the endpoint does not pass to lm-eval), and log-likelihood rows where the
+    server's prompt logprobs are not usable (`evidence`: what `check` found)."""
+    types = _output_types(eval_dir)
+    skipped = {}
+    for row, plan in plans.items():
+        if "spec" in plan:
+            skipped[row] = ("standard tasks are not yet run through an endpoint with quantgate's task settings (local "
+                            "data, few-shot, filter): judge the model from a sample log (source: samples)")
+        elif _needs_logprobs(plan, types, base_items, row) and not evidence.get("logprobs"):
+            skipped[row] = (f"scored by log-likelihood, and {endpoint['base_url']} gives no usable prompt logprobs "
+                            f"({evidence.get('logprobs_problem')}): judge it through a server that does (vLLM, "
+                            "SGLang), or from a sample log")
+    return skipped
+
+
+def refused_row(plan: dict, why: str) -> dict:
+    """A row's summary when its model cannot be judged on it: refused, with the reason (its rows are inconclusive)."""
+    return {"task": plan["task"] if "spec" in plan else plan["probe"]["task"], "status": "refused", "score": None,
+            "stderr": None, "items": 0, "reason": why}
 
 
 def evaluate(name: str, variant_dir: Path, plans: dict[str, dict], base_items: list[dict], base_eval: dict, compare,
@@ -235,16 +277,7 @@ def evaluate(name: str, variant_dir: Path, plans: dict[str, dict], base_items: l
         result["evidence"] = {**evidence, "source": SOURCE}
         if manifest.get("status") != "ok":
             raise QuantgateError(f"admit refused it: {(manifest.get('reasons') or ['no reason recorded'])[0]}")
-        types = _output_types(eval_dir)
-        skipped = {}
-        for row, plan in plans.items():
-            if "spec" in plan:
-                skipped[row] = ("standard tasks are not yet run through an endpoint with the task settings fp16 was "
-                                "evaluated with here: judge it from a sample log")
-            elif _needs_logprobs(plan, types, base_items, row) and not evidence.get("logprobs"):
-                skipped[row] = (f"scored by log-likelihood, and {endpoint['base_url']} gives no usable prompt logprobs "
-                                f"({evidence.get('logprobs_problem')}): judge it through a server that does (vLLM, "
-                                "SGLang), or from a sample log")
+        skipped = unservable_rows(plans, endpoint, evidence, eval_dir, base_items)
         wanted = lm_eval_samples({r: p for r, p in plans.items() if r not in skipped}, eval_dir)
         tasks = {t: positions for t, positions in wanted.items() if positions}
         shutil.rmtree(log_dir, ignore_errors=True)
@@ -252,6 +285,7 @@ def evaluate(name: str, variant_dir: Path, plans: dict[str, dict], base_items: l
             with tempfile.TemporaryDirectory(prefix="lm-eval-endpoint-") as tmp:
                 run_lm_eval(endpoint, tasks, tokenizer_dir, eval_dir, Path(tmp), timeout_s, allow_unisolated_code)
                 sample_logs.copy_log(sample_logs.read_log(tmp, endpoint.get("request_fields")), log_dir)
+            still_served(name, endpoint, evidence.get("fingerprint"), f"dvc repro -f -s admit@{name}, then dvc repro")
             log = sample_logs.read_log(log_dir, endpoint.get("request_fields"))
             result["probes"], items = sample_logs.records(log, {r: p for r, p in plans.items() if r not in skipped},
                                                           base_items, base_eval, compare.policy_for, compare)
@@ -262,10 +296,7 @@ def evaluate(name: str, variant_dir: Path, plans: dict[str, dict], base_items: l
     except Exception as err:  # noqa: BLE001 - whatever the server or its log holds, it is this candidate's failure
         return {**result, "status": "failed", "error": f"evaluation through the endpoint broke: {type(err).__name__}: "
                                                        f"{str(err)[:1500]}"}, []
-    for row, why in skipped.items():
-        plan = plans[row]
-        result["probes"][row] = {"task": plan["task"] if "spec" in plan else plan["probe"]["task"], "status": "refused",
-                                 "score": None, "stderr": None, "items": 0, "reason": why}
+    result["probes"].update({row: refused_row(plans[row], why) for row, why in skipped.items()})
     result.update(status="ok", wall_s=round(time.perf_counter() - started, 1))
     return result, items
 
@@ -280,7 +311,7 @@ def replay(endpoint: dict, prompts: list[str], max_new_tokens: int) -> dict:
         for attempt in range(max(1, endpoint.get("max_retries", 3))):  # lm-eval's count: attempts, not retries
             started = time.perf_counter()
             try:
-                answer = _call(endpoint, "POST", "completions", body)
+                answer = call(endpoint, "POST", "completions", body)
                 break
             except QuantgateError:
                 if attempt + 1 >= max(1, endpoint.get("max_retries", 3)):

@@ -234,8 +234,10 @@ def audit(params, names: list[str], seed: int, device: str) -> dict:
             skipped[name] = f"evaluation {result.get('status')}: nothing recorded to audit"
             continue
         if name == BASELINE and result.get("baseline"):  # fp16's records are its team's log: nothing here to re-run
-            skipped[name] = (f"not re-measured: fp16's records come from its lm-eval sample log "
-                             f"({result['baseline'].get('path')}), checked and scored again by the baseline stage")
+            skipped[name] = ("not re-measured: fp16's records come from "
+                             + (f"its endpoint {result['baseline']['base_url']}" if result["baseline"].get("base_url")
+                                else f"its lm-eval sample log ({result['baseline'].get('path')})")
+                             + ", checked and scored again by the baseline stage")
             continue
         if no_model_here(VARIANTS_DIR / name):  # said, never silently left out: the gate prints it with the audit
             skipped[name] = ("not re-measured: its evidence is an lm-eval sample log (a team's, or the one evaluate "

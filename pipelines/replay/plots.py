@@ -17,10 +17,16 @@ def agreement_chart(path: Path, report: dict) -> Path:
                         "Shadow replay: exact agreement with fp16", "share of answers equal to fp16's")
 
 
+LATENCY_PANELS = (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token"))
+CLIENT_PANEL = ("client_ms", "request seen from the client (endpoints)")  # queue, network and generation together
+
+
 def latency_chart(path: Path, timings: dict[str, dict[str, list[float]]]) -> Path:
-    """Empirical CDFs of time to first token and time per output token, one line per model."""
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for ax, key, title in ((axes[0], "ttft_ms", "time to first token"), (axes[1], "tpot_ms", "time per output token")):
+    """Empirical CDFs of time to first token and time per output token, one line per model replayed here, and, when
+    a model was replayed through its endpoint, a third panel of each request's latency seen from the client."""
+    panels = LATENCY_PANELS + ((CLIENT_PANEL,) if any(t.get(CLIENT_PANEL[0]) for t in timings.values()) else ())
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4))
+    for ax, (key, title) in zip(axes, panels):
         for name, t in timings.items():
             values = sorted(t.get(key) or [])
             if values:
@@ -29,5 +35,7 @@ def latency_chart(path: Path, timings: dict[str, dict[str, list[float]]]) -> Pat
         ax.set_title(title)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("share of requests / steps")
-    axes[1].legend(fontsize=8)
+    for ax in axes:
+        if ax.get_lines():  # the client panel holds other models than the first two
+            ax.legend(fontsize=8)
     return save(fig, path)

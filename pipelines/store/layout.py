@@ -295,7 +295,8 @@ def _agreement_cells(shadow: dict):
 
 def shadow_metrics(shadow: dict, measured: dict | None) -> dict[str, float]:
     """Per model and type: exact share and its low end, similarity mean, outcome share; per model: latency
-    percentiles, tokens/s, peak bytes, growth, the replay's memory saving against fp16 (and what compare claimed)."""
+    percentiles (a model behind an endpoint: each request's latency seen from the client), tokens/s, peak bytes,
+    growth, the replay's memory saving against fp16 (and what compare claimed)."""
     out: dict[str, float] = {}
     for model, domain, key, cell in _agreement_cells(shadow):
         if key != "all":
@@ -309,7 +310,9 @@ def shadow_metrics(shadow: dict, measured: dict | None) -> dict[str, float]:
         numeric_leaves(f"latency/{model}", {
             "ttft_ms_p50": (latency.get("ttft_ms") or {}).get("p50"), "ttft_ms_p99": (latency.get("ttft_ms") or {}).get("p99"),
             "tpot_ms_p50": (latency.get("tpot_ms") or {}).get("p50"), "tpot_ms_p99": (latency.get("tpot_ms") or {}).get("p99"),
-            "tokens_per_s": latency.get("tokens_per_s")}, out)
+            "tokens_per_s": latency.get("tokens_per_s"),
+            "client_ms_p50": (latency.get("client_ms") or {}).get("p50"),
+            "client_ms_p99": (latency.get("client_ms") or {}).get("p99")}, out)
         numeric_leaves(f"memory/{model}", {"peak_bytes": memory.get("peak_bytes"), "growth_pct": memory.get("growth_pct")}, out)
     for model, s in ((measured or {}).get("memory_saving") or {}).items():
         numeric_leaves(f"memory/{model}", {"replay_saving_pct": (s or {}).get("replay_pct"),
@@ -344,7 +347,10 @@ def shadow_latency_rows(shadow: dict, measured: dict | None) -> list[dict]:
         rows.append({"model": model, "status": (entry or {}).get("status"), "error": (entry or {}).get("error"),
                      "ttft_ms_p50": (latency.get("ttft_ms") or {}).get("p50"), "ttft_ms_p99": (latency.get("ttft_ms") or {}).get("p99"),
                      "tpot_ms_p50": (latency.get("tpot_ms") or {}).get("p50"), "tpot_ms_p99": (latency.get("tpot_ms") or {}).get("p99"),
-                     "tokens_per_s": latency.get("tokens_per_s"), "memory_measure": memory.get("measure"),
+                     "tokens_per_s": latency.get("tokens_per_s"),
+                     "client_ms_p50": (latency.get("client_ms") or {}).get("p50"),
+                     "client_ms_p99": (latency.get("client_ms") or {}).get("p99"), "endpoint": m.get("endpoint"),
+                     "memory_measure": memory.get("measure"),
                      "peak_bytes": memory.get("peak_bytes"), "growth_pct": memory.get("growth_pct"),
                      "replay_saving_pct": saving.get("replay_pct"), "claimed_saving_pct": saving.get("claimed_pct"),
                      "saving_agrees": saving.get("agrees"), "seconds": m.get("seconds")})
