@@ -5,8 +5,11 @@ like any candidate; a server that is down, unlisted or keyless is a recorded fai
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -84,20 +87,39 @@ def test_the_same_weights_served_by_llama_cpp_answer_as_they_do_in_process(serve
         == ["results", "samples_quantgate_code_comment", "samples_quantgate_math"]
 
 
-def test_a_standard_task_goes_through_the_server_with_the_settings_fp16_ran_here(served, gsm8k_files, tmp_path):
-    """gsm8k from local files, 0-shot, as `requests.math.tasks` declares it: lm-eval runs quantgate's own config of it
-    against the server (a YAML file with its functions named by module), and the answers are fp16's in-process ones,
-    item for item; the log pairs with fp16's records through the filter quantgate scores."""
-    tasks = EvaluateParams.model_validate({"tasks": {"math": [{"name": "gsm8k", "data_files": gsm8k_files,
+MBPP = [("Write a function to add two numbers.", "def add(a, b):\n    return a + b", "add", [(1, 2, 3), (2, 2, 4), (0, 5, 5)]),
+        ("Write a function to multiply two numbers.", "def mul(a, b):\n    return a * b", "mul",
+         [(2, 3, 6), (1, 4, 4), (0, 9, 0)]),
+        ("Write a function to subtract two numbers.", "def sub(a, b):\n    return a - b", "sub",
+         [(5, 2, 3), (2, 2, 0), (9, 1, 8)])]
+
+
+@pytest.mark.parametrize("domain, task", [("math", "gsm8k"), ("code", "mbpp")])
+def test_a_standard_task_goes_through_the_server_with_the_settings_fp16_ran_here(served, gsm8k_files, tmp_path,
+                                                                                  domain, task):
+    """gsm8k and mbpp from local files, 0-shot, as `requests.<name>.tasks` declares them: lm-eval runs quantgate's own
+    config of each against the server (a YAML file with its functions named by module; mbpp scored by quantgate's
+    sandbox in lm-eval's process, then again here), and the answers are fp16's in-process ones, item for item."""
+    from pipelines.core.io import write_jsonl
+
+    files = gsm8k_files
+    if task == "mbpp":
+        files = {"test": str(tmp_path / "mbpp.jsonl")}
+        write_jsonl(tmp_path / "mbpp.jsonl", [
+            {"task_id": n, "text": text, "code": code, "test_setup_code": "", "challenge_test_list": [],
+             "test_list": [f"assert {name}({a}, {b}) == {c}" for a, b, c in cases]}
+            for n, (text, code, name, cases) in enumerate(MBPP)])
+    tasks = EvaluateParams.model_validate({"tasks": {domain: [{"name": task, "data_files": files,
                                                                 "num_fewshot": 0}]}}).tasks
-    params = P.model_copy(update={"domains": ["math"], "tasks": tasks})
-    plans = probe_plans(["math"], params)
+    params = P.model_copy(update={"domains": [domain], "tasks": tasks})
+    plans = {row: plan for row, plan in probe_plans([domain], params).items() if "spec" in plan}
     base, base_items = harness.evaluate_variant(str(served["model"]), plans, params, "cpu", tmp_path / "base.st")
     endpoints.admit("tiny-f32", "tiny.gguf", served["f32"], tmp_path / "variants", served["model"])
     result, items = endpoints.evaluate("tiny-f32", tmp_path / "variants" / "tiny-f32", plans, base_items, base,
                                        COMPARE, False, tmp_path / "log", served["model"], EVAL, 600)
-    assert result["status"] == "ok" and result["probes"]["math:gsm8k"]["status"] == "ok", result
-    mine, theirs = by_id(items, "math:gsm8k"), by_id(base_items, "math:gsm8k")
+    row = f"{domain}:{task}"
+    assert result["status"] == "ok" and result["probes"][row]["status"] == "ok", result
+    mine, theirs = by_id(items, row), by_id(base_items, row)
     assert list(mine) and set(mine) <= set(theirs)
     for item, record in mine.items():
         assert (record["response"], record["correct"], record["prompt_hash"]) == \
@@ -298,3 +320,44 @@ def test_a_dead_address_or_a_missing_key_is_the_checks_problem_and_a_key_never_s
     monkeypatch.setenv("QG_TEST_KEY", "s3cret")
     said = endpoints.scrubbed("headers={'Authorization': 'Bearer s3cret'} url=http://h/?k=s3cret", keyed)
     assert "s3cret" not in said and said.count("<redacted>") == 2
+
+
+def test_a_standard_tasks_config_reaches_lm_eval_as_quantgate_built_it(tmp_path):
+    """config_files writes each standard task's config as quantgate evaluates it here, and lm-eval's own loader reads
+    it back equal, in this process and in a fresh one (as the lm_eval command does), functions included: the
+    sandboxed scorer (mbpp), a task's own utils function (hellaswag) and functools.partial (mmlu_pro); a config holding
+    a function with no importable name is that row's refusal, never a changed config."""
+    from pipelines.evaluation import standard_tasks
+
+    plans = {"code:mbpp": {"domain": "code", "task": "mbpp", "spec": {"name": "mbpp", "num_fewshot": 1}},
+             "chat:hellaswag": {"domain": "chat", "task": "hellaswag", "spec": {"name": "hellaswag"}},
+             "chat:mmlu_pro_biology": {"domain": "chat", "task": "mmlu_pro_biology",
+                                       "spec": {"name": "mmlu_pro_biology"}}}
+    configs = harness.task_configs(plans)
+    assert isinstance(configs["chat:mmlu_pro_biology"]["process_docs"], functools.partial)
+    odd = {**configs["chat:hellaswag"], "task": "odd", "process_docs": lambda docs: docs}
+    files, refused = standard_tasks.config_files({**configs, "chat:odd": odd}, tmp_path)
+    assert sorted(files) == ["hellaswag", "mbpp", "mmlu_pro_biology"] and list(refused) == ["chat:odd"]
+    assert "has no name lm-eval can import it by" in refused["chat:odd"] and "sample log" in refused["chat:odd"]
+    assert re.search(r"process_results: !function '?pipelines\.evaluation\.standard_tasks\.mbpp_results",
+                     (tmp_path / "mbpp.yaml").read_text())
+    fresh = ("import json, sys; from lm_eval.tasks._yaml_loader import load_yaml; print(json.dumps({t: repr(getattr("
+             "load_yaml(f, resolve_func=True)[k], 'func', None) or load_yaml(f, resolve_func=True)[k]) for t, f, k in "
+             "json.loads(sys.argv[1])}))")
+    named = {"mbpp": "process_results", "hellaswag": "process_docs", "mmlu_pro_biology": "process_docs"}
+    read = json.loads(subprocess.run([sys.executable, "-c", fresh, json.dumps([[t, files[t], k] for t, k in named.items()])],
+                                     capture_output=True, text=True, check=True).stdout)
+    assert "mbpp_results" in read["mbpp"] and "process_docs" in read["hellaswag"] and "function" in read["mmlu_pro_biology"]
+
+
+def test_rows_that_run_code_are_refused_before_the_run_where_the_sandbox_cannot_isolate(monkeypatch):
+    """As in-process (harness.run_probes): a code row through an endpoint is refused by name where the sandbox cannot
+    isolate and unisolated runs are not allowed, instead of failing lm-eval's whole run; allowed, it goes."""
+    from pipelines.core import sandbox
+
+    plans = probe_plans(["code", "math"], P)
+    server = {"base_url": "http://10.0.0.5:8000/v1", "model": "m"}
+    monkeypatch.setattr(sandbox, "isolation_available", lambda: False)
+    refused = endpoints.unservable_rows(plans, server, {"logprobs": True}, EVAL, False)
+    assert list(refused) == ["code"] and "sandbox cannot isolate here" in refused["code"]
+    assert endpoints.unservable_rows(plans, server, {"logprobs": True}, EVAL, True) == {}

@@ -71,13 +71,11 @@ def from_endpoint(endpoint: dict, spec: str, plans: dict[str, dict], copy_to: Pa
     """fp16's baseline through the OpenAI-compatible endpoint it is served at (baseline.source: endpoint, `spec` its
     deployment spec): the server checked as admit checks a candidate's (pipelines/evaluation/endpoints.py), lm-eval's
     local-completions run on every item the looks can ask, and the sample log it writes read exactly as a team's log
-    of fp16 (`evaluate`) and kept in `copy_to`. A row the server cannot give (standard tasks; log-likelihood rows
-    without usable prompt logprobs) is refused with the reason; a server that does not answer, or that can give no
+    of fp16 (`evaluate`) and kept in `copy_to`. A row the server cannot give (`endpoints.run_servable`) is refused with the reason; a server that does not answer, or that can give no
     row, is a failed result, which stops the stage as fp16 failing here does."""
     import tempfile
 
     from pipelines.evaluation import endpoints
-    from pipelines.evaluation.plans import lm_eval_samples
 
     served = {"source": endpoints.SOURCE, "path": spec, "base_url": endpoint["base_url"], "model": endpoint["model"]}
     failed = {"variant": "fp16", "device": None, "batch_size": 1, "fidelity": None, "status": "failed",
@@ -91,19 +89,21 @@ def from_endpoint(endpoint: dict, spec: str, plans: dict[str, dict], copy_to: Pa
         state["problem"] = f"no fingerprint of the served model: {err}"
     if state["problem"]:
         return {**failed, "error": f"{state['problem']} (once the server is up: dvc repro baseline)"}, []
-    skipped = endpoints.unservable_rows(plans, endpoint, state, eval_dir, [])
-    servable = {row: plan for row, plan in plans.items() if row not in skipped}
-    tasks = {task: positions for task, positions in lm_eval_samples(servable, eval_dir).items() if positions}
-    if not tasks:
-        return {**failed, "error": f"{endpoint['base_url']} can give none of the rows: " + "; ".join(
-            f"{row}: {why}" for row, why in skipped.items())}, []
     try:
         with tempfile.TemporaryDirectory(prefix="lm-eval-baseline-") as tmp:
-            endpoints.run_lm_eval(endpoint, tasks, tokenizer_dir, eval_dir, Path(tmp), timeout_s, allow_unisolated_code)
-            result, items = evaluate(tmp, servable, copy_to, allow_unisolated_code, endpoint.get("request_fields"))
+            skipped, logged = endpoints.run_servable(endpoint, plans, state, tokenizer_dir, eval_dir, timeout_s,
+                                                     allow_unisolated_code, Path(tmp))
+            if logged is None:
+                raise QuantgateError(f"{endpoint['base_url']} can give none of the rows: " + "; ".join(
+                    f"{row}: {why}" for row, why in skipped.items()))
+            servable = {row: plan for row, plan in plans.items() if row not in skipped}
+            result, items = evaluate(logged, servable, copy_to, allow_unisolated_code, endpoint.get("request_fields"))
         endpoints.still_served("baseline fp16", endpoint, state["fingerprint"], "dvc repro -f -s baseline")
     except QuantgateError as err:
         return {**failed, "error": endpoints.scrubbed(str(err), endpoint)}, []
+    except Exception as err:  # noqa: BLE001 - whatever the server or lm-eval did: the stage says what, never a trace
+        return {**failed, "error": endpoints.scrubbed(f"evaluation through the endpoint broke: {type(err).__name__}: "
+                                                      f"{str(err)[:1500]}", endpoint)}, []
     if result["status"] != "ok":
         return {**failed, "error": endpoints.scrubbed(result["error"], endpoint)}, []
     result.update(baseline=served, not_measured={"fidelity": NO_DISTRIBUTIONS_SERVED})

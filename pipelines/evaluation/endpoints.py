@@ -179,18 +179,19 @@ def scrubbed(text: str, endpoint: dict) -> str:
 
 
 def run_lm_eval(endpoint: dict, tasks: dict[str, list[int]], tokenizer_dir: Path, eval_dir: Path, out: Path,
-                timeout_s: int, allow_unisolated_code: bool = False) -> None:
+                timeout_s: int, allow_unisolated_code: bool = False, files: dict[str, str] | None = None) -> None:
     """`lm_eval run --model local-completions` against the endpoint, as a team would run it, writing its sample log
     under `out`; the prompt is sent as text, so the server tokenizes it with its own tokenizer (`tokenizer_dir`, the
-    model under test's, only counts the continuation's tokens). Raises QuantgateError with lm-eval's last words (the key
-    scrubbed); past `timeout_s` its whole process group is killed."""
+    model under test's, only counts the continuation's tokens). `files`: the standard tasks' configs
+    (standard_tasks.config_files), given to `--tasks` by path. Raises QuantgateError with lm-eval's last words (the key scrubbed); past `timeout_s`
+    its whole process group is killed."""
     import signal
 
     args = (f"base_url={endpoint['base_url']}/completions,model={endpoint['model']},tokenizer_backend=huggingface,"
             f"tokenizer={tokenizer_dir},tokenized_requests=False,num_concurrent={endpoint.get('concurrency', 1)},"
             f"max_retries={endpoint.get('max_retries', 3)},timeout={endpoint.get('timeout_s', 30)}")
     cmd = [str(Path(sys.executable).with_name("lm_eval")), "run", "--model", BACKEND, "--model_args", args,
-           "--tasks", ",".join(tasks), "--include_path", str(eval_dir), "--batch_size", "1", "--seed", "0",
+           "--tasks", ",".join((files or {}).get(t, t) for t in tasks), "--include_path", str(eval_dir), "--batch_size", "1", "--seed", "0",
            "--log_samples", "--output_path", str(out), "--samples", json.dumps(tasks), "--confirm_run_unsafe_code"]
     if endpoint.get("request_fields"):  # an engine's own knobs (endpoint.request_fields), on every generation request
         cmd += ["--gen_kwargs", json.dumps(endpoint["request_fields"])]  # JSON: a value may hold a comma or an "="
@@ -211,12 +212,11 @@ def run_lm_eval(endpoint: dict, tasks: dict[str, list[int]], tokenizer_dir: Path
                              f"{scrubbed((stderr or stdout)[-1500:], endpoint)}")
 
 
-def _needs_logprobs(plan: dict, types: dict[str, str], base_items: list[dict], row: str) -> bool:
-    """Whether a row is scored by log-likelihood: its probe task's output_type, or (a standard task) fp16's records
-    having a chance level (only multiple-choice items do)."""
+def _needs_logprobs(plan: dict, types: dict[str, str], configs: dict[str, dict], row: str) -> bool:
+    """Whether a row is scored by log-likelihood: its probe task's or (a standard task) its config's output_type."""
     if "spec" not in plan:
         return types.get(plan["probe"]["task"], "generate_until") in LOGPROB_TYPES
-    return any(r.get("chance") for r in base_items if r.get("domain") == plan["domain"] and r.get("task") == plan["task"])
+    return configs[row].get("output_type", "generate_until") in LOGPROB_TYPES
 
 
 def still_served(label: str, endpoint: dict, recorded: dict | None, remedy: str) -> None:
@@ -229,18 +229,45 @@ def still_served(label: str, endpoint: dict, recorded: dict | None, remedy: str)
         raise QuantgateError(f"the server changed while it was evaluated: {changed}")
 
 
+def run_servable(endpoint: dict, plans: dict[str, dict], evidence: dict, tokenizer_dir: Path, eval_dir: Path,
+                 timeout_s: int, allow_unisolated_code: bool, tmp: Path) -> tuple[dict[str, str], Path | None]:
+    """lm-eval against the endpoint on every row it can be judged on, its log written under `tmp`: ({row: why not},
+    the log's folder, or None when no row can run). Standard tasks go with the configs fp16 runs here
+    (standard_tasks.config_files)."""
+    from pipelines.evaluation import standard_tasks
+    from pipelines.evaluation.harness import task_configs
+
+    skipped = unservable_rows(plans, endpoint, evidence, eval_dir, allow_unisolated_code)
+    files, unwritable = standard_tasks.config_files(task_configs({r: p for r, p in plans.items() if r not in skipped}),
+                                                    tmp)
+    skipped.update(unwritable)
+    wanted = lm_eval_samples({r: p for r, p in plans.items() if r not in skipped}, eval_dir)
+    tasks = {task: positions for task, positions in wanted.items() if positions}
+    if not tasks:
+        return skipped, None
+    run_lm_eval(endpoint, tasks, tokenizer_dir, eval_dir, tmp / "log", timeout_s, allow_unisolated_code, files)
+    return skipped, tmp / "log"
+
+
 def unservable_rows(plans: dict[str, dict], endpoint: dict, evidence: dict, eval_dir: Path,
-                    base_items: list[dict]) -> dict[str, str]:
-    """{row: why} for the rows this endpoint cannot be judged on: standard tasks (fp16 ran them here with quantgate's
-    own task settings, which a run through the endpoint does not pass to lm-eval), and log-likelihood rows where the
-    server's prompt logprobs are not usable (`evidence`: what `check` found)."""
-    types = _output_types(eval_dir)
+                    allow_unisolated_code: bool) -> dict[str, str]:
+    """{row: why} for the rows this endpoint cannot be judged on: log-likelihood rows (probes or standard tasks) where
+    the server's prompt logprobs are not usable (`evidence`: what `check` found), and rows that run model-written code
+    where the sandbox cannot isolate (as harness.run_probes refuses them here)."""
+    from pipelines.core import sandbox
+    from pipelines.evaluation import standard_tasks
+    from pipelines.evaluation.harness import task_configs
+
+    types, configs = _output_types(eval_dir), task_configs(plans)
+    unisolated = not allow_unisolated_code and not sandbox.isolation_available()
     skipped = {}
     for row, plan in plans.items():
-        if "spec" in plan:
-            skipped[row] = ("standard tasks are not yet run through an endpoint with quantgate's task settings (local "
-                            "data, few-shot, filter): judge the model from a sample log (source: samples)")
-        elif _needs_logprobs(plan, types, base_items, row) and not evidence.get("logprobs"):
+        runs_code = standard_tasks.sandboxed(configs[row]) if "spec" in plan else plan["probe"].get("runs_code")
+        if runs_code and unisolated:
+            skipped[row] = (f"runs model-written code, and the sandbox cannot isolate here "
+                            f"({sandbox.isolation_level()[1] or 'no bwrap'}): make it work (`quantgate doctor`) or "
+                            "set evaluate.allow_unisolated_code: true")
+        elif _needs_logprobs(plan, types, configs, row) and not evidence.get("logprobs"):
             skipped[row] = (f"scored by log-likelihood, and {endpoint['base_url']} gives no usable prompt logprobs "
                             f"({evidence.get('logprobs_problem')}): judge it through a server that does (vLLM, "
                             "SGLang), or from a sample log")
@@ -259,8 +286,7 @@ def evaluate(name: str, variant_dir: Path, plans: dict[str, dict], base_items: l
     """Stage evaluate of an endpoint candidate: lm-eval against it, its log kept in `log_dir` and judged as a team's
     log. A server that fails (or that admit refused) is the candidate's recorded failure, never a stop; a row it cannot
     be judged on here is that row's refusal, the other rows still judged: a log-likelihood row on a server whose prompt
-    logprobs are not usable, and standard tasks (fp16 ran them with quantgate's own task settings, which this run
-    does not pass to lm-eval)."""
+    logprobs are not usable, or one that runs code where the sandbox cannot isolate (`unservable_rows`)."""
     import shutil
 
     from pipelines.core.io import read_json
@@ -277,14 +303,13 @@ def evaluate(name: str, variant_dir: Path, plans: dict[str, dict], base_items: l
         result["evidence"] = {**evidence, "source": SOURCE}
         if manifest.get("status") != "ok":
             raise QuantgateError(f"admit refused it: {(manifest.get('reasons') or ['no reason recorded'])[0]}")
-        skipped = unservable_rows(plans, endpoint, evidence, eval_dir, base_items)
-        wanted = lm_eval_samples({r: p for r, p in plans.items() if r not in skipped}, eval_dir)
-        tasks = {t: positions for t, positions in wanted.items() if positions}
         shutil.rmtree(log_dir, ignore_errors=True)
-        if tasks:
-            with tempfile.TemporaryDirectory(prefix="lm-eval-endpoint-") as tmp:
-                run_lm_eval(endpoint, tasks, tokenizer_dir, eval_dir, Path(tmp), timeout_s, allow_unisolated_code)
-                sample_logs.copy_log(sample_logs.read_log(tmp, endpoint.get("request_fields")), log_dir)
+        with tempfile.TemporaryDirectory(prefix="lm-eval-endpoint-") as tmp:
+            skipped, logged = run_servable(endpoint, plans, evidence, tokenizer_dir, eval_dir, timeout_s,
+                                           allow_unisolated_code, Path(tmp))
+            if logged:
+                sample_logs.copy_log(sample_logs.read_log(logged, endpoint.get("request_fields")), log_dir)
+        if logged:
             still_served(name, endpoint, evidence.get("fingerprint"), f"dvc repro -f -s admit@{name}, then dvc repro")
             log = sample_logs.read_log(log_dir, endpoint.get("request_fields"))
             result["probes"], items = sample_logs.records(log, {r: p for r, p in plans.items() if r not in skipped},

@@ -80,9 +80,6 @@ def task_samples(log: SampleLog, plan: dict, task: str, wanted_filter: str | Non
     """(samples file, the filter that scores, the log's filters, the log's task version) of a row's task; raises
     QuantgateError naming the file when the log lacks the task, has another version, answered or scored with other
     settings than the task `here` (`SETTINGS`), or has no single scoring filter."""
-    if "spec" in plan and plan["task"] in standard_tasks.SANDBOXED:
-        raise QuantgateError(f"{task}: quantgate scores it in its own sandbox, lm-eval's log elsewhere (HF code_eval, "
-                             "another filter and metric): its logged scores do not pair; judge it here, or leave it out")
     path = log.files.get(task)
     if path is None:
         raise QuantgateError(f"{log.folder}: no samples_{task}_<date>.jsonl (the log has {', '.join(sorted(log.files))}): "
@@ -92,6 +89,11 @@ def task_samples(log: SampleLog, plan: dict, task: str, wanted_filter: str | Non
         raise QuantgateError(f"{log.results_file}: versions.{task} is {version!r}, {whose} {version_here!r}: another "
                              "task definition does not pair")
     logged, mine = dict((log.results.get("configs") or {}).get(task) or {}), here.dump_config()
+    if "spec" in plan and plan["task"] in standard_tasks.SANDBOXED and \
+            not ((logged.get("metadata") or {}).get("quantgate") or {}).get("sandbox"):  # endpoints.run_servable's run
+        raise QuantgateError(f"{task}: quantgate scores it in its own sandbox, lm-eval's log elsewhere (HF code_eval, "
+                             "another filter and metric): its logged scores do not pair; judge it here or through its "
+                             "endpoint, or leave it out")
     engine = (log.results.get("config") or {}).get("gen_kwargs")  # an endpoint's request_fields (read_log checked)
     if isinstance(engine, dict) and isinstance(logged.get("generation_kwargs"), dict):  # lm-eval merges them in
         logged["generation_kwargs"] = {k: v for k, v in logged["generation_kwargs"].items()

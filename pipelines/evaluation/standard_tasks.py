@@ -248,3 +248,63 @@ def doc_count(domain: str, spec, include_path: str = "eval") -> int:
 
 def item_id(task: str, doc_id: int) -> str:
     return f"{task}{SEP}{doc_id}"
+
+
+def config_files(configs: dict[str, dict], folder: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """({task: YAML file}, {row: why not}) for standard-task rows' configs (`configs`: row -> task_config's dict), so a
+    run of the `lm_eval` command (against an endpoint) asks and scores the items as quantgate does here, not as
+    lm-eval's own YAML would: each written where `--tasks` takes it by path, its functions as `!function module.name`
+    (lm-eval imports them), and read back with lm-eval's own loader. A config that does not come back the same (a
+    function with no importable name, a value YAML cannot hold) is that row's refusal, never a silent change."""
+    import yaml
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    Dumper.add_representer(tuple, Dumper.represent_list)
+    Dumper.add_multi_representer(object, lambda dumper, obj: dumper.represent_scalar("!function", _named(obj)))
+    files, refused = {}, {}
+    for row, cfg in configs.items():
+        path = Path(folder) / f"{cfg['task']}.yaml"
+        try:
+            path.write_text(yaml.dump(cfg, Dumper=Dumper, sort_keys=False), encoding="utf-8")  # non-ASCII escaped
+            if not _same(load_yaml(str(path), resolve_func=True), cfg):
+                raise QuantgateError("lm-eval's loader reads another config back")
+        except Exception as err:  # noqa: BLE001 - whatever the config holds: this row's refusal, with the cause
+            refused[row] = (f"task {cfg['task']}'s config cannot be handed to the lm_eval command as quantgate "
+                            f"builds it ({type(err).__name__}: {str(err)[:300]}): judge it from a sample log")
+            continue
+        files[cfg["task"]] = str(path)
+    return files, refused
+
+
+def _named(obj) -> str:
+    """`module.name` under which lm-eval's loader finds `obj` again: its own, or, for a value such as a
+    functools.partial that lm-eval's task modules define at top level, the attribute of the loaded module holding it
+    (or an equal partial: task_config deep-copies the config, and with it each partial)."""
+    import sys
+
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(name, str) and getattr(sys.modules.get(module), name, None) is obj:
+        return f"{module}.{name}"
+    for module_name, loaded in list(sys.modules.items()):
+        if module_name.startswith("lm_eval.tasks.") or module_name == __name__:
+            holder = next((attr for attr, value in list(vars(loaded).items()) if value is obj
+                           or isinstance(obj, functools.partial) and _same(value, obj)), None)
+            if holder:
+                return f"{module_name}.{holder}"
+    raise QuantgateError(f"{obj!r} has no name lm-eval can import it by")
+
+
+def _same(read, built) -> bool:
+    """Whether a config read back equals the one built: the same values, a tuple as its list, the same functions (a
+    functools.partial: the same function, arguments and keywords)."""
+    if isinstance(built, dict):
+        return isinstance(read, dict) and read.keys() == built.keys() and all(_same(read[k], built[k]) for k in built)
+    if isinstance(built, (list, tuple)):
+        return isinstance(read, list) and len(read) == len(built) and all(map(_same, read, built))
+    if isinstance(built, functools.partial):
+        return isinstance(read, functools.partial) and (read.func, read.args, read.keywords) == \
+            (built.func, built.args, built.keywords)
+    return read is built if callable(built) else type(read) is type(built) and read == built
