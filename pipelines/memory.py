@@ -238,7 +238,7 @@ def main(variant: str, failed_because: str | None = None, inject_leak_bytes: int
                "against fp16's" if endpoint else "its evidence is an lm-eval sample log: no model here to load")
         row = {"variant": variant, "device": None, "status": NOT_MEASURED, "reason": why}
         if endpoint:  # what can be seen from outside, labelled so: never the numbers the verdict compares
-            from pipelines.evaluation.endpoints import observe
+            from pipelines.measure.served import observe
 
             row["observed_from_outside"] = observe(endpoint)
         write_json(MEMORY_RESULTS / f"{variant}.json", row)

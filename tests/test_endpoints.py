@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ from pipelines.core.params import Params
 from pipelines.core.params_candidates import BaselineParams, CandidateParams
 from pipelines.core.params_sections import CompareParams, EvaluateParams
 from pipelines.diagnose.tools import endpoint_check
-from pipelines.evaluation import baseline_log, endpoints, harness, redeploy
+from pipelines.evaluation import baseline_log, endpoints, harness, redeploy, sample_logs
 from pipelines.evaluation.plans import by_id, probe_plans
 from pipelines.judging import comparison
 from tests.llama_server import free_port, serving, write_gguf
@@ -124,6 +125,16 @@ def test_a_standard_task_goes_through_the_server_with_the_settings_fp16_ran_here
     for item, record in mine.items():
         assert (record["response"], record["correct"], record["prompt_hash"]) == \
             (theirs[item]["response"], theirs[item]["correct"], theirs[item]["prompt_hash"]), item
+    if task == "mbpp":  # its log carries quantgate's scorer; without that mark, or with a score edited, it is refused
+        for edit, said in ((lambda text: text.replace('"sandbox": true', '"sandbox": false'), "in its own sandbox"),
+                           (lambda text: text.replace('"pass@1": 0.0', '"pass@1": 1.0', 1), "scores its response")):
+            log = tmp_path / f"edited-{len(said)}"
+            shutil.copytree(tmp_path / "log", log)
+            edited = next(log.glob("results_*.json") if "sandbox" in said else log.glob("samples_mbpp_*.jsonl"))
+            edited.write_text(edit(edited.read_text()))
+            again, _ = sample_logs.records(sample_logs.read_log(log, GREEDY), plans, base_items, base, COMPARE.policy_for,
+                                           COMPARE)
+            assert again[row]["status"] == "refused" and said in again[row]["reason"], again[row]
 
 
 def test_where_they_differ_is_the_servers_default_repeat_penalty(served, tmp_path):
@@ -341,13 +352,14 @@ def test_a_standard_tasks_config_reaches_lm_eval_as_quantgate_built_it(tmp_path)
     assert "has no name lm-eval can import it by" in refused["chat:odd"] and "sample log" in refused["chat:odd"]
     assert re.search(r"process_results: !function '?pipelines\.evaluation\.standard_tasks\.mbpp_results",
                      (tmp_path / "mbpp.yaml").read_text())
-    fresh = ("import json, sys; from lm_eval.tasks._yaml_loader import load_yaml; print(json.dumps({t: repr(getattr("
-             "load_yaml(f, resolve_func=True)[k], 'func', None) or load_yaml(f, resolve_func=True)[k]) for t, f, k in "
-             "json.loads(sys.argv[1])}))")
+    fresh = ("import json, sys; from lm_eval.tasks._yaml_loader import load_yaml; print(json.dumps({t: repr("
+             "load_yaml(f, resolve_func=True)[k]) for t, f, k in json.loads(sys.argv[1])}))")
     named = {"mbpp": "process_results", "hellaswag": "process_docs", "mmlu_pro_biology": "process_docs"}
     read = json.loads(subprocess.run([sys.executable, "-c", fresh, json.dumps([[t, files[t], k] for t, k in named.items()])],
                                      capture_output=True, text=True, check=True).stdout)
-    assert "mbpp_results" in read["mbpp"] and "process_docs" in read["hellaswag"] and "function" in read["mmlu_pro_biology"]
+    assert "mbpp_results" in read["mbpp"] and "process_docs" in read["hellaswag"]
+    assert re.fullmatch(r"functools\.partial\(<function process_docs at 0x\w+>, subject='biology'\)",
+                        read["mmlu_pro_biology"])
 
 
 def test_rows_that_run_code_are_refused_before_the_run_where_the_sandbox_cannot_isolate(monkeypatch):

@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipelines.core.errors import QuantgateError
+from pipelines.core.errors import ENVIRONMENT, QuantgateError
 from pipelines.evaluation import sample_logs
 from pipelines.evaluation.plans import lm_eval_samples
 from pipelines.models.loading import ENDPOINT_SOURCE
@@ -32,7 +32,7 @@ BACKEND = "local-completions"  # lm-eval's OpenAI-compatible /v1/completions bac
 LOGPROB_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")  # need the prompt's logprobs (echo)
 
 
-def _key(endpoint: dict) -> str | None:
+def key_of(endpoint: dict) -> str | None:
     name = endpoint.get("api_key_env")
     if name and not os.environ.get(name):
         raise QuantgateError(f"{endpoint['base_url']}: environment variable {name} is not set (the key that "
@@ -45,7 +45,7 @@ def call(endpoint: dict, method: str, route: str, body: dict | None = None) -> d
     import requests
 
     url = f"{endpoint['base_url']}/{route}"
-    key = _key(endpoint)
+    key = key_of(endpoint)
     try:
         answer = requests.request(method, url, json=body, timeout=endpoint.get("timeout_s", 30),
                                   headers={"Authorization": f"Bearer {key}"} if key else {})
@@ -195,7 +195,7 @@ def run_lm_eval(endpoint: dict, tasks: dict[str, list[int]], tokenizer_dir: Path
            "--log_samples", "--output_path", str(out), "--samples", json.dumps(tasks), "--confirm_run_unsafe_code"]
     if endpoint.get("request_fields"):  # an engine's own knobs (endpoint.request_fields), on every generation request
         cmd += ["--gen_kwargs", json.dumps(endpoint["request_fields"])]  # JSON: a value may hold a comma or an "="
-    env = {**os.environ, "OPENAI_API_KEY": _key(endpoint) or "EMPTY", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    env = {**os.environ, "OPENAI_API_KEY": key_of(endpoint) or "EMPTY", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            # code answers scored as fp16's were: in the sandbox, or unisolated where evaluate.allow_unisolated_code says
            "QUANTGATE_ALLOW_UNISOLATED_CODE": "1" if allow_unisolated_code else "0"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -249,6 +249,9 @@ def run_servable(endpoint: dict, plans: dict[str, dict], evidence: dict, tokeniz
     return skipped, tmp / "log"
 
 
+SANDBOX_REFUSAL = "runs model-written code, and the sandbox cannot isolate here"
+
+
 def unservable_rows(plans: dict[str, dict], endpoint: dict, evidence: dict, eval_dir: Path,
                     allow_unisolated_code: bool) -> dict[str, str]:
     """{row: why} for the rows this endpoint cannot be judged on: log-likelihood rows (probes or standard tasks) where
@@ -264,9 +267,7 @@ def unservable_rows(plans: dict[str, dict], endpoint: dict, evidence: dict, eval
     for row, plan in plans.items():
         runs_code = standard_tasks.sandboxed(configs[row]) if "spec" in plan else plan["probe"].get("runs_code")
         if runs_code and unisolated:
-            skipped[row] = (f"runs model-written code, and the sandbox cannot isolate here "
-                            f"({sandbox.isolation_level()[1] or 'no bwrap'}): make it work (`quantgate doctor`) or "
-                            "set evaluate.allow_unisolated_code: true")
+            skipped[row] = f"{SANDBOX_REFUSAL} ({sandbox.isolation_level()[1] or 'no bwrap'})"
         elif _needs_logprobs(plan, types, configs, row) and not evidence.get("logprobs"):
             skipped[row] = (f"scored by log-likelihood, and {endpoint['base_url']} gives no usable prompt logprobs "
                             f"({evidence.get('logprobs_problem')}): judge it through a server that does (vLLM, "
@@ -275,9 +276,14 @@ def unservable_rows(plans: dict[str, dict], endpoint: dict, evidence: dict, eval
 
 
 def refused_row(plan: dict, why: str) -> dict:
-    """A row's summary when its model cannot be judged on it: refused, with the reason (its rows are inconclusive)."""
-    return {"task": plan["task"] if "spec" in plan else plan["probe"]["task"], "status": "refused", "score": None,
-            "stderr": None, "items": 0, "reason": why}
+    """A row's summary when its model cannot be judged on it: refused, with the reason; one this machine's sandbox
+    refused is, as in-process (harness.run_probes), could-not-measure (its rows inconclusive), with the remedy."""
+    row = {"task": plan["task"] if "spec" in plan else plan["probe"]["task"], "status": "refused", "score": None,
+           "stderr": None, "items": 0, "reason": why}
+    if SANDBOX_REFUSAL in why:
+        row.update(cause=ENVIRONMENT, remedy="make the sandbox work here (`quantgate doctor` names what is missing) or "
+                                             "set evaluate.allow_unisolated_code: true, then evaluate again")
+    return row
 
 
 def evaluate(name: str, variant_dir: Path, plans: dict[str, dict], base_items: list[dict], base_eval: dict, compare,
@@ -297,6 +303,7 @@ def evaluate(name: str, variant_dir: Path, plans: dict[str, dict], base_items: l
                                                  "full distributions KL needs"}}
     started = time.perf_counter()
     endpoint: dict = {}
+    os.environ["QUANTGATE_ALLOW_UNISOLATED_CODE"] = "1" if allow_unisolated_code else "0"  # score_again here, too
     try:
         manifest = read_json(variant_dir / MANIFEST)
         endpoint, evidence = manifest["endpoint"], manifest.get("evidence") or {}
@@ -349,52 +356,3 @@ def replay(endpoint: dict, prompts: list[str], max_new_tokens: int) -> dict:
             raise QuantgateError(f"{endpoint['base_url']}/completions: no choices[0].text in {str(answer)[:200]}") \
                 from None
     return {"texts": texts, "latency_s": latency}
-
-
-MEMORY_METRIC = re.compile(r"(?i)kv_cache|cache_usage|memory|_bytes")  # vLLM's vllm:kv_cache_usage_perc, SGLang's ...
-
-
-def observe(endpoint: dict) -> dict:
-    """What the memory stage can see of a served candidate from outside: the engine's Prometheus /metrics lines about
-    KV cache and memory (vLLM, SGLang and llama.cpp's own server expose them), and, when the server runs on this
-    machine, its process's resident memory. Labelled as seen from outside: another engine's bytes, never compared with
-    fp16's footprint measured in-process."""
-    import urllib.parse
-
-    import psutil
-    import requests
-
-    out: dict = {"metrics": None, "process": None}
-    root = endpoint["base_url"].removesuffix("/v1")
-    try:
-        key = _key(endpoint)
-    except QuantgateError:
-        key = None
-    try:
-        answer = requests.get(f"{root}/metrics", timeout=endpoint.get("timeout_s", 30),
-                              headers={"Authorization": f"Bearer {key}"} if key else {})
-        if answer.status_code == 200:
-            out["metrics"] = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in answer.text.splitlines()
-                              if line and not line.startswith("#") and MEMORY_METRIC.search(line.split("{")[0])
-                              and _number(line.rsplit(" ", 1)[-1])}
-    except (requests.RequestException, ValueError, IndexError):
-        pass
-    url = urllib.parse.urlsplit(endpoint["base_url"])
-    if url.hostname in ("127.0.0.1", "localhost", "::1"):
-        port = url.port or (443 if url.scheme == "https" else 80)
-        try:
-            pids = {c.pid for c in psutil.net_connections(kind="tcp")
-                    if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid}
-            out["process"] = [{"pid": pid, "name": psutil.Process(pid).name(),
-                               "rss_bytes": psutil.Process(pid).memory_info().rss} for pid in sorted(pids)] or None
-        except (psutil.Error, OSError):
-            pass
-    return out
-
-
-def _number(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False

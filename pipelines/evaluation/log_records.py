@@ -89,8 +89,11 @@ def task_samples(log: SampleLog, plan: dict, task: str, wanted_filter: str | Non
         raise QuantgateError(f"{log.results_file}: versions.{task} is {version!r}, {whose} {version_here!r}: another "
                              "task definition does not pair")
     logged, mine = dict((log.results.get("configs") or {}).get(task) or {}), here.dump_config()
-    if "spec" in plan and plan["task"] in standard_tasks.SANDBOXED and \
-            not ((logged.get("metadata") or {}).get("quantgate") or {}).get("sandbox"):  # endpoints.run_servable's run
+    marker = logged.get("metadata") if isinstance(logged.get("metadata"), dict) else {}
+    marker = marker.get("quantgate") if isinstance(marker.get("quantgate"), dict) else {}
+    if "spec" in plan and plan["task"] in standard_tasks.SANDBOXED and marker.get("sandbox") is not True:
+        # a log scored by quantgate's own scorer (endpoints.run_servable's) goes on: SETTINGS must match, and every
+        # answer is scored again here in the sandbox, so the marker vouches for nothing by itself
         raise QuantgateError(f"{task}: quantgate scores it in its own sandbox, lm-eval's log elsewhere (HF code_eval, "
                              "another filter and metric): its logged scores do not pair; judge it here or through its "
                              "endpoint, or leave it out")

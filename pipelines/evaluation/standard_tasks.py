@@ -273,7 +273,8 @@ def config_files(configs: dict[str, dict], folder: Path) -> tuple[dict[str, str]
                 raise QuantgateError("lm-eval's loader reads another config back")
         except Exception as err:  # noqa: BLE001 - whatever the config holds: this row's refusal, with the cause
             refused[row] = (f"task {cfg['task']}'s config cannot be handed to the lm_eval command as quantgate "
-                            f"builds it ({type(err).__name__}: {str(err)[:300]}): judge it from a sample log")
+                            f"builds it ({type(err).__name__}: {str(err)[:300]}): judge the model on it here, or "
+                            "from a sample log of that task")
             continue
         files[cfg["task"]] = str(path)
     return files, refused
@@ -288,7 +289,8 @@ def _named(obj) -> str:
     module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if isinstance(module, str) and isinstance(name, str) and getattr(sys.modules.get(module), name, None) is obj:
         return f"{module}.{name}"
-    for module_name, loaded in list(sys.modules.items()):
+    home = getattr(getattr(obj, "func", None), "__module__", None)  # a partial's function's module first
+    for module_name, loaded in sorted(sys.modules.items(), key=lambda item: item[0] != home):
         if module_name.startswith("lm_eval.tasks.") or module_name == __name__:
             holder = next((attr for attr, value in list(vars(loaded).items()) if value is obj
                            or isinstance(obj, functools.partial) and _same(value, obj)), None)
@@ -304,7 +306,7 @@ def _same(read, built) -> bool:
         return isinstance(read, dict) and read.keys() == built.keys() and all(_same(read[k], built[k]) for k in built)
     if isinstance(built, (list, tuple)):
         return isinstance(read, list) and len(read) == len(built) and all(map(_same, read, built))
-    if isinstance(built, functools.partial):
-        return isinstance(read, functools.partial) and (read.func, read.args, read.keywords) == \
-            (built.func, built.args, built.keywords)
+    if isinstance(built, functools.partial):  # its arguments type for type: partial(f, True) is not partial(f, 1)
+        return isinstance(read, functools.partial) and read.func is built.func and _same(list(read.args), built.args) \
+            and _same(read.keywords, built.keywords)
     return read is built if callable(built) else type(read) is type(built) and read == built
