@@ -373,3 +373,4 @@ def test_rows_that_run_code_are_refused_before_the_run_where_the_sandbox_cannot_
     refused = endpoints.unservable_rows(plans, server, {"logprobs": True}, EVAL, False)
     assert list(refused) == ["code"] and "sandbox cannot isolate here" in refused["code"]
     assert endpoints.unservable_rows(plans, server, {"logprobs": True}, EVAL, True) == {}
+
