@@ -2,8 +2,8 @@
 variant and candidate is paired with come from `lm_eval --model vllm ... --log_samples` there, or from lm-eval run here
 against the OpenAI-compatible endpoint fp16 is served at (`from_endpoint`), not from a run of the model here.
 
-params.yaml `baseline: {source: samples, path: DIR}` (or `{source: endpoint, path: SPEC, endpoint: {...}}`); the baseline stage reads the log whole (pipelines/evaluation/
-sample_logs.py: one run, every line a record, errors naming file and line) and, per row, keeps every item of every
+params.yaml `baseline: {source: samples, path: DIR}` (or `{source: endpoint, path: SPEC, endpoint: {...}}`); the
+baseline stage reads the log whole (pipelines/evaluation/sample_logs.py: one run, every line a record, errors naming file and line) and, per row, keeps every item of every
 look, each checked against this checkout's task: the task version, each item's doc hash against the doc the task here
 loads (so the log answered these items, not another pool's), and each answer scored again by the task's own scorer.
 A row the log cannot give is refused with its reason, and its variants' rows with it. A log holds no token
@@ -71,8 +71,9 @@ def from_endpoint(endpoint: dict, spec: str, plans: dict[str, dict], copy_to: Pa
     """fp16's baseline through the OpenAI-compatible endpoint it is served at (baseline.source: endpoint, `spec` its
     deployment spec): the server checked as admit checks a candidate's (pipelines/evaluation/endpoints.py), lm-eval's
     local-completions run on every item the looks can ask, and the sample log it writes read exactly as a team's log
-    of fp16 (`evaluate`) and kept in `copy_to`. A row the server cannot give (`endpoints.run_servable`) is refused with the reason; a server that does not answer, or that can give no
-    row, is a failed result, which stops the stage as fp16 failing here does."""
+    of fp16 (`evaluate`) and kept in `copy_to`. A row the server cannot give (`endpoints.run_servable`) is refused
+    with the reason; a server that does not answer, or that can give no row, is a failed result, which stops the stage
+    as fp16 failing here does."""
     import tempfile
 
     from pipelines.evaluation import endpoints
@@ -80,13 +81,7 @@ def from_endpoint(endpoint: dict, spec: str, plans: dict[str, dict], copy_to: Pa
     served = {"source": endpoints.SOURCE, "path": spec, "base_url": endpoint["base_url"], "model": endpoint["model"]}
     failed = {"variant": "fp16", "device": None, "batch_size": 1, "fidelity": None, "status": "failed",
               "not_measured": {"fidelity": NO_DISTRIBUTIONS_SERVED}, "baseline": served}
-    from pipelines.evaluation.redeploy import fingerprint
-
-    state = endpoints.check(endpoint, tokenizer_dir)
-    try:  # what the gate asks again (pipelines/evaluation/redeploy.py)
-        state["fingerprint"] = None if state["problem"] else fingerprint(endpoint)
-    except QuantgateError as err:
-        state["problem"] = f"no fingerprint of the served model: {err}"
+    state = endpoints.checked(endpoint, tokenizer_dir)
     if state["problem"]:
         return {**failed, "error": f"{state['problem']} (once the server is up: dvc repro baseline)"}, []
     try:
@@ -110,8 +105,8 @@ def from_endpoint(endpoint: dict, spec: str, plans: dict[str, dict], copy_to: Pa
     result["evidence"].update(base_url=endpoint["base_url"], model=endpoint["model"], listed=state["models"],
                               logprobs=state["logprobs"], logprobs_problem=state["logprobs_problem"],
                               fingerprint=state["fingerprint"])
-    result["probes"] = {row: result["probes"].get(row) or endpoints.refused_row(plans[row], f"fp16's endpoint cannot give this row: {skipped[row]}")
-                        for row in plans}  # the plan's order, the refused rows with their reasons
+    result["probes"] = {row: result["probes"].get(row) or endpoints.refused_row(
+        plans[row], f"fp16's endpoint cannot give this row: {skipped[row]}") for row in plans}  # the plan's order
     return result, items
 
 

@@ -128,6 +128,20 @@ def check(endpoint: dict, tokenizer_dir: Path | None = None) -> dict:
     return out
 
 
+def checked(endpoint: dict, tokenizer_dir: Path | None) -> dict:
+    """`check`, plus the served model's fingerprint when the server is usable: what the gate asks again, since another
+    model behind this address later makes the evaluation stale (pipelines/evaluation/redeploy.py)."""
+    from pipelines.evaluation.redeploy import fingerprint
+
+    state = {**check(endpoint, tokenizer_dir), "fingerprint": None}
+    if not state["problem"]:
+        try:
+            state["fingerprint"] = fingerprint(endpoint)
+        except QuantgateError as err:
+            state["problem"] = f"no fingerprint of the served model: {err}"
+    return state
+
+
 def admit(name: str, path: str, endpoint: dict, out_root: Path, tokenizer_dir: Path | None = None) -> dict:
     """Stage admit of an endpoint candidate: the server checked and what it lists recorded in the manifest (never the
     key); one that does not answer or does not list the model is refused, and the stage goes on."""
@@ -136,14 +150,7 @@ def admit(name: str, path: str, endpoint: dict, out_root: Path, tokenizer_dir: P
 
     manifest = {"variant": name, "candidate": True, "source": SOURCE, "source_path": str(path), "method": SOURCE,
                 "dtype": None, "endpoint": endpoint}
-    from pipelines.evaluation.redeploy import fingerprint
-
-    state = check(endpoint, tokenizer_dir)
-    if not state["problem"]:
-        try:  # what the gate asks again: another model behind this address since is a stale evaluation
-            state["fingerprint"] = fingerprint(endpoint)
-        except QuantgateError as err:
-            state["problem"] = f"no fingerprint of the served model: {err}"
+    state = checked(endpoint, tokenizer_dir)
     if state["problem"]:
         why = f"{state['problem']} (once the server is up: dvc repro -f admit@{name})"
         manifest.update({"status": "failed", "reasons": [why], "error": f"endpoint refused: {why}",
@@ -183,15 +190,16 @@ def run_lm_eval(endpoint: dict, tasks: dict[str, list[int]], tokenizer_dir: Path
     """`lm_eval run --model local-completions` against the endpoint, as a team would run it, writing its sample log
     under `out`; the prompt is sent as text, so the server tokenizes it with its own tokenizer (`tokenizer_dir`, the
     model under test's, only counts the continuation's tokens). `files`: the standard tasks' configs
-    (standard_tasks.config_files), given to `--tasks` by path. Raises QuantgateError with lm-eval's last words (the key scrubbed); past `timeout_s`
-    its whole process group is killed."""
+    (standard_tasks.config_files), given to `--tasks` by path. Raises QuantgateError with lm-eval's last words (the
+    key scrubbed); past `timeout_s` its whole process group is killed."""
     import signal
 
     args = (f"base_url={endpoint['base_url']}/completions,model={endpoint['model']},tokenizer_backend=huggingface,"
             f"tokenizer={tokenizer_dir},tokenized_requests=False,num_concurrent={endpoint.get('concurrency', 1)},"
             f"max_retries={endpoint.get('max_retries', 3)},timeout={endpoint.get('timeout_s', 30)}")
     cmd = [str(Path(sys.executable).with_name("lm_eval")), "run", "--model", BACKEND, "--model_args", args,
-           "--tasks", ",".join((files or {}).get(t, t) for t in tasks), "--include_path", str(eval_dir), "--batch_size", "1", "--seed", "0",
+           "--tasks", ",".join((files or {}).get(t, t) for t in tasks), "--include_path", str(eval_dir),
+           "--batch_size", "1", "--seed", "0",
            "--log_samples", "--output_path", str(out), "--samples", json.dumps(tasks), "--confirm_run_unsafe_code"]
     if endpoint.get("request_fields"):  # an engine's own knobs (endpoint.request_fields), on every generation request
         cmd += ["--gen_kwargs", json.dumps(endpoint["request_fields"])]  # JSON: a value may hold a comma or an "="
