@@ -22,7 +22,7 @@ from pipelines.core.io import atomic_dir, read_jsonl, sha256_file, sha256_text, 
 from pipelines.core.params_requests import SourceParams
 from pipelines.core.params_sections import CALIBRATED_METHODS, METHODS, CalibrationParams, CoverageParams
 from pipelines.core.paths import BUILT_DIR, COVERAGE_DIR, METHOD_DIR
-from pipelines.text import synthetic
+from pipelines.text import arithmetic
 from pipelines.text.code_comments import bare_functions, extract
 from pipelines.text.coverage import coverage_report, load_traffic, plot_classifier, plot_coverage
 
@@ -91,7 +91,7 @@ def _load_source(src: SourceParams, seed: int) -> list[CalibrationText]:
         return [CalibrationText(s.text, f"{p}:{s.line}") for p in _python_files(src)
                 for s in extract(p.read_text(encoding="utf-8"), str(p))]
     if src.kind == "math":
-        lines = synthetic.math_lines(seed, src.count * MATH_LINES_PER_SAMPLE)
+        lines = arithmetic.math_lines(seed, src.count * MATH_LINES_PER_SAMPLE)
         return [CalibrationText("\n".join(lines[i : i + MATH_LINES_PER_SAMPLE]), f"math-generator(seed={seed}):{i // MATH_LINES_PER_SAMPLE + 1}")
                 for i in range(0, len(lines), MATH_LINES_PER_SAMPLE)]
     return _from_datasets(src)

@@ -82,16 +82,21 @@ def planning_params(tmp_path, icc: float, **evaluate):
 
 
 def test_doctor_says_which_pools_are_short_and_what_would_size_them(tmp_path, monkeypatch):
-    """At the shipped within-family correlation (gptq3's rows) the 17 math families cannot reach 0.55 and code and
-    code_comment need about a tenth more items; with independent flips every pool is sized; a cap of 300 items is
-    not. Standard lm-eval task rows are never loaded for it (their datasets would be)."""
+    """The shipped pools are sized to the shipped plan (within-family correlation 0.025, gptq3's rows): every row
+    reaches 0.55. At twice that correlation the 25 math families cannot, and code needs about half as many items
+    again; with independent flips every pool is sized; a cap of 300 items is not. Standard lm-eval task rows are
+    never loaded for it (their datasets would be)."""
     from pipelines.evaluation import standard_tasks
 
     monkeypatch.setattr(standard_tasks, "doc_count", lambda *a: pytest.fail("the doctor loaded a task's dataset"))
     shipped = pools_check(load_params())
-    assert shipped.status == WARN, shipped
-    assert "math: no number of items reaches 0.55 with its 17 families" in shipped.detail
-    assert "code: about" in shipped.detail and "chat: about" not in shipped.detail
+    assert shipped.status == OK, shipped
+    assert "math 2000 items/25 families" in shipped.detail and "code 1000 items/58 families" in shipped.detail
+    assert "code_comment 1100 items/42 families" in shipped.detail
+    doubled = pools_check(planning_params(tmp_path, 0.05))
+    assert doubled.status == WARN, doubled
+    assert "math: no number of items reaches 0.55 with its 25 families" in doubled.detail
+    assert "code: about 1550 items (the pool has 1000)" in doubled.detail
     independent = pools_check(planning_params(tmp_path, 0.0))
     assert independent.status == OK and all(f"{row} " in independent.detail for row in ("math", "code", "chat"))
     capped = pools_check(planning_params(tmp_path, 0.0, max_items=300))

@@ -47,9 +47,9 @@ def test_committed_math_choice_items_equal_their_generator_with_one_right_answer
 
 
 def test_math_additions_are_held_out_from_reference_training():
-    from pipelines.text import synthetic
+    from pipelines.text import arithmetic
 
-    train, _ = synthetic.split_addition_pairs(0, 1000)
+    train, _ = arithmetic.split_addition_pairs(0, 1000)
     trained = {f"{a}+{b}=" for a, b in train}
     adds = [i for i in probes.math_probes() if i["kind"] == "add"]
     assert len(adds) == 1000 and not any(i["question"] in trained for i in adds)

@@ -10,7 +10,7 @@ from pipelines import reference
 from pipelines.core.io import sha256_file
 from pipelines.models import training
 from pipelines.models.skills import greedy_exact_match
-from pipelines.text import synthetic
+from pipelines.text import arithmetic, synthetic
 from pipelines.text.corpus import build_corpus
 
 
@@ -37,7 +37,7 @@ def test_held_out_additions_are_never_trained_on(tiny_params):
     trained = set(corpus.documents)
     held = corpus.held_out_additions
     assert len(held) == tiny_params.held_out_additions
-    assert not any(synthetic.addition_line(a, b) in trained for a, b in held)
+    assert not any(arithmetic.addition_line(a, b) in trained for a, b in held)
 
 
 def test_two_builds_give_identical_files(tmp_path, tiny_params, tiny_model):

@@ -89,12 +89,12 @@ BODY_ESCAPES = (" __import__('os')._exit(0)", " __import__('sys').exit(0)", " (_
 
 
 def test_shipped_code_probes_pass_their_canonical_body_and_fail_every_escape(every_item):
-    """eval/code's 898 items through lm-eval's own process_results (eval/code/utils.py): every canonical body
+    """eval/code's 1,000 items through lm-eval's own process_results (eval/code/utils.py): every canonical body
     passes; every item with an escape instead of its body fails (the first three exit 0). The quick tier takes
-    every ninth item (100; odd, so every escape is among them), the full run all of them."""
+    every ninth item (112; odd, so every escape is among them), the full run all of them."""
     task = _task(REPO / "eval", "quantgate_code")
     docs = list(task.eval_docs)
-    assert len(docs) == 898
+    assert len(docs) == 1000
     picked = range(len(docs)) if every_item else range(0, len(docs), 9)
     # each call is its own sandboxed process: a thread per core this process may use keeps them busy (half the time
     # on two); at most 4, as every sandbox counts against the one uid's process limit (sandbox.Limits)

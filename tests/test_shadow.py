@@ -62,7 +62,7 @@ def variants(tmp_path_factory, tiny_model):
                                             tmp_path_factory.mktemp("unused"), "cpu", root)
     assert manifest["status"] == "ok", manifest.get("error")
     _copy(root / "fp16", root / "same")
-    _copy(root / "fp16", root / "noisy", noise=0.5)
+    _copy(root / "fp16", root / "noisy", noise=1.5)  # 0.5 moved none of the undertrained tiny model's 16 tokens
     _copy(root / "fp16", root / "broken", broken=True)
     _copy(root / "fp16", root / "crashes", vocab=4)
     return root
@@ -109,11 +109,15 @@ def test_a_variant_that_differs_matches_a_hand_computation(replayed):
     answer = {(r["model"], r["id"]): r["answer"] for r in rows}
     for type_, cells in report["models"]["noisy"]["agreement"].items():
         ids = [r["id"] for r in rows if r["model"] == "fp16" and r["type"] == type_]
-        same = sum(answer["fp16", i] == answer["noisy", i] for i in ids)
-        n, p, z = len(ids), same / len(ids), 1.959963984540054
-        centre, spread = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+        # answers.jsonl keeps the PII-masked text: equal tokens give equal text, but two digit runs both read [CARD]
+        same_text = sum(answer["fp16", i] == answer["noisy", i] for i in ids)
         exact = cells["all"]["exact"]
-        assert cells["all"]["requests"] == n and exact["share"] == pytest.approx(p)
+        n, same, z = len(ids), round(exact["share"] * len(ids)), 1.959963984540054
+        assert cells["all"]["requests"] == n and same <= same_text and exact["share"] == pytest.approx(same / n)
+        if same_text < n:  # a text that differs is a token that differs
+            assert same < n
+        p = same / n
+        centre, spread = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
         assert exact["low"] == pytest.approx(max(0.0, (centre - spread) / (1 + z * z / n)))
         assert exact["high"] == pytest.approx(min(1.0, (centre + spread) / (1 + z * z / n)))
     total = sum(c["all"]["requests"] for c in report["models"]["noisy"]["agreement"].values())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipelines.core.params_sections import ReferenceParams
 from pipelines.core.paths import CODE_SOURCES
-from pipelines.text import synthetic
+from pipelines.text import arithmetic, synthetic
 from pipelines.text.code_comments import CommentSample, extract
 
 
@@ -36,12 +36,12 @@ class Corpus:
 
 
 def build_corpus(p: ReferenceParams, code_root: Path = CODE_SOURCES) -> Corpus:
-    train_pairs, held_out = synthetic.split_addition_pairs(p.seed, p.held_out_additions)
+    train_pairs, held_out = arithmetic.split_addition_pairs(p.seed, p.held_out_additions)
     code = code_samples(code_root)
     chat = synthetic.dialogues(p.seed, p.dialogues)
     files = [path.read_text(encoding="utf-8") for path in sorted(code_root.rglob("*.py"))]
-    docs = [synthetic.addition_line(a, b) for a, b in train_pairs] * p.addition_repeats
-    docs += synthetic.math_lines(p.seed + 1, p.math_lines)
+    docs = [arithmetic.addition_line(a, b) for a, b in train_pairs] * p.addition_repeats
+    docs += arithmetic.math_lines(p.seed + 1, p.math_lines)
     docs += [s.text for s in code] * p.code_repeats
     docs += files
     docs += [synthetic.dialogue_text(d) for d in chat]

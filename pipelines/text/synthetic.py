@@ -1,4 +1,5 @@
-"""Seeded generators for the text the project ships: math with symbols, customer-service dialogues.
+"""Seeded generators for the text the project ships: small Python functions, customer-service dialogues, a traffic
+sample (the math lines: pipelines/text/arithmetic.py).
 
 Everything here is a pure function of its seed, so every machine builds the same corpus, the same
 calibration sets and the same probes. The dialogues are written to
@@ -8,76 +9,8 @@ calibration sets and the same probes. The dialogues are written to
 from __future__ import annotations
 
 import random
-from fractions import Fraction
 
-# --------------------------------------------------------------------------------------------
-# Math
-# --------------------------------------------------------------------------------------------
-
-
-def addition_pairs() -> list[tuple[int, int]]:
-    """All two-digit additions a+b (10 <= a, b <= 99)."""
-    return [(a, b) for a in range(10, 100) for b in range(10, 100)]
-
-
-def split_addition_pairs(seed: int, held_out: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Split the two-digit additions into (train, held_out) so skill is measured on unseen sums."""
-    pairs = addition_pairs()
-    random.Random(seed).shuffle(pairs)
-    return pairs[held_out:], pairs[:held_out]
-
-
-def addition_line(a: int, b: int) -> str:
-    return f"{a}+{b}={a + b}"
-
-
-def _frac(q: Fraction) -> str:
-    return str(q.numerator) if q.denominator == 1 else f"{q.numerator}/{q.denominator}"
-
-
-def math_problem(rng: random.Random) -> tuple[str, str, str]:
-    """One (kind, prompt, answer) math item; prompt + answer is the full training line."""
-    kind = rng.choice(["add", "sub", "mul", "div", "power", "root", "fraction", "latex_frac", "multi_step"])
-    if kind == "add":
-        a, b = rng.randint(10, 99), rng.randint(10, 99)
-        return kind, f"{a}+{b}=", str(a + b)
-    if kind == "sub":
-        a, b = sorted((rng.randint(10, 99), rng.randint(10, 99)), reverse=True)
-        return kind, f"{a}-{b}=", str(a - b)
-    if kind == "mul":
-        a, b = rng.randint(2, 12), rng.randint(2, 12)
-        return kind, f"{a}×{b}=", str(a * b)
-    if kind == "div":
-        b, q = rng.randint(2, 12), rng.randint(2, 12)
-        return kind, f"{b * q}÷{b}=", str(q)
-    if kind == "power":
-        a, e = rng.randint(2, 9), rng.choice([2, 3])
-        sym = rng.choice([f"{a}^{e}", f"{a}{'²' if e == 2 else '³'}"])
-        return kind, f"{sym}=", str(a**e)
-    if kind == "root":
-        r = rng.randint(2, 15)
-        sym = rng.choice([f"√{r * r}", f"\\sqrt{{{r * r}}}"])
-        return kind, f"{sym}=", str(r)
-    if kind == "fraction":
-        p, q = Fraction(rng.randint(1, 5), rng.randint(2, 6)), Fraction(rng.randint(1, 5), rng.randint(2, 6))
-        op = rng.choice(["+", "-"])
-        res = p + q if op == "+" else p - q
-        return kind, f"{_frac(p)}{op}{_frac(q)}=", _frac(res)
-    if kind == "latex_frac":
-        d, k = rng.randint(2, 9), rng.randint(1, 9)
-        n = rng.randint(1, d - 1)
-        return kind, f"\\frac{{{n}}}{{{d}}}\\times {d * k}=", str(n * k)
-    a, b, c = rng.randint(2, 20), rng.randint(2, 20), rng.randint(2, 9)
-    op = rng.choice(["+", "-"])
-    inner = a + b if op == "+" else a - b
-    return "multi_step", f"({a}{op}{b})×{c}=", str(inner * c)
-
-
-def math_lines(seed: int, count: int) -> list[str]:
-    """`count` seeded math lines of every kind, e.g. '√49=7', '\\frac{3}{4}\\times 8=6'."""
-    rng = random.Random(seed)
-    return [p + a for _, p, a in (math_problem(rng) for _ in range(count))]
-
+from pipelines.text.arithmetic import math_problem
 
 # --------------------------------------------------------------------------------------------
 # Customer-service dialogues (English and Chinese)
@@ -261,7 +194,6 @@ def traffic_sample(seed: int, count: int, bare_code: list[str], commented: list[
         rows.append({"id": f"req-{n:05d}", "text": text, "kind": kind})
     return rows
 
-
 # --------------------------------------------------------------------------------------------
 # Small Python functions with unit tests (the code probes: completions are executed, pass@1)
 # --------------------------------------------------------------------------------------------
@@ -306,6 +238,11 @@ FUNCTIONS: dict[str, tuple[str, str, object, object]] = {
     "count": ("def count_{n}(items):", "return items.count({n})", [[1, 2, 2, 3], *_bit_lists(20)],
               lambda n, x: x.count(n)),
     "has": ("def has_{n}(items):", "return {n} in items", _bit_lists(40), lambda n, x: n in x),
+    # four more (2026-12-05): the code pool's 1,044 cases in 57 families, what compare.planning asks (docs/compare.md)
+    "bor": ("def or_{n}(x):", "return x | {n}", INTS, lambda n, x: x | n),
+    "bxor": ("def xor_{n}(x):", "return x ^ {n}", INTS, lambda n, x: x ^ n),
+    "floor": ("def round_down_{n}(x):", "return x - x % {n}", INTS, lambda n, x: x - x % n),
+    "square_plus": ("def square_plus_{n}(x):", "return x * x + {n}", INTS, lambda n, x: x * x + n),
 }
 FUNCTION_RANGE = {"add": range(1, 100), "sub": range(1, 100), "mul": range(2, 31), "mod": range(2, 31),
                   "first": range(1, 21), "last": range(1, 21), "power": range(2, 7), "div": range(2, 31),
@@ -313,7 +250,8 @@ FUNCTION_RANGE = {"add": range(1, 100), "sub": range(1, 100), "mul": range(2, 31
                   "eq": range(0, 40), "repeat": range(2, 12), "gt": range(0, 40), "lt": range(0, 40),
                   "ne": range(0, 40), "drop": range(1, 21), "nth": range(0, 25), "twice": range(1, 40),
                   "dist": range(1, 40), "shift": range(1, 11), "mask": range(1, 40), "count": range(0, 20),
-                  "has": range(0, 40)}
+                  "has": range(0, 40), "bor": range(1, 40), "bxor": range(1, 40), "floor": range(2, 31),
+                  "square_plus": range(1, 40)}
 
 
 def function_cases() -> list[tuple[str, int]]:
