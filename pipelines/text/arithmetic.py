@@ -10,7 +10,6 @@ import random
 from fractions import Fraction
 
 
-
 def addition_pairs() -> list[tuple[int, int]]:
     """All two-digit additions a+b (10 <= a, b <= 99)."""
     return [(a, b) for a in range(10, 100) for b in range(10, 100)]
@@ -43,8 +42,8 @@ def math_problem(rng: random.Random, kind: str | None = None) -> tuple[str, str,
     """One (kind, prompt, answer) math item, of `kind` or of a kind drawn at random; prompt + answer is the full
     training line."""
     kind = kind or rng.choice(MATH_KINDS)
-    if kind in NEW_KINDS:
-        return kind, *NEW_KINDS[kind](rng)
+    if kind in COMPOSED_KINDS:
+        return kind, *COMPOSED_KINDS[kind](rng)
     if kind == "add":
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         return kind, f"{a}+{b}=", str(a + b)
@@ -121,8 +120,9 @@ def _fraction_times(rng: random.Random) -> tuple[str, str]:
     return f"{n}/{d}×{d * k}=", str(n * k)
 
 
-# the kinds added to grow the probe families (2026-12-05): (prompt, answer) from a seeded draw
-NEW_KINDS = {"latex_times": _latex_times, "latex_div": _latex_div, "square_sum": _square_sum, "order_ops": _order_ops,
+# kinds that compose two operations or write one in LaTeX (added 2026-12-05 to grow the probe families): each
+# draws its (prompt, answer) from the rng
+COMPOSED_KINDS = {"latex_times": _latex_times, "latex_div": _latex_div, "square_sum": _square_sum, "order_ops": _order_ops,
              "root_sum": _root_sum, "sqrt_times": _sqrt_times, "power_plus": _power_plus,
              "fraction_times": _fraction_times}
 
