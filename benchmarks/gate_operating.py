@@ -16,7 +16,7 @@ The peers take every item of the pool, point estimates, and only pass or fail.
 
 Flip model: fp16 is right on 75 % of items; the variant gains 2.5 % of the items and loses 2.5 % plus the drop, so
 the flip rate is 0.05 + |difference|. Items come in families, as probe items do (templates, kinds of math). Pools: the
-default plan of a 600-item pool in 36 families (looks 200/400/600), the 1,100-item math pool in 17 families (looks
+default plan of a 600-item pool in 36 families (looks 200/400/600), the 1,100-item math look of the pool's shape before 2026-12-05, 17 families (looks
 200/650/1100), a 200-item pool in 20 families (one look) and the shipped chat pool, 1,000 items in 36 families (looks
 200/600/1000). Each pool four ways (CASES): independent items without
 families; families declared but items independent (the shipped pools always declare them); clustered, each family

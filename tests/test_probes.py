@@ -60,10 +60,20 @@ def test_every_math_probe_answer_is_its_expressions_value_and_the_kinds_are_abou
     """Each of the 1,000 symbol-math items evaluated independently of the generator (its symbols rewritten as Python,
     exact fractions): the answer is the expression's value. The 16 kinds take turns, so their families differ by at
     most one item, except power and root, whose prompts run out (32 and 28 there are)."""
+    import math
     import re
     from collections import Counter
     from fractions import Fraction
 
+    from pipelines.text import arithmetic
+
+    def root(n: int) -> Fraction:
+        assert math.isqrt(n) ** 2 == n, f"√{n} is not a whole number"
+        return Fraction(math.isqrt(n))
+
+    assert list(arithmetic.COMPOSED_KINDS) == arithmetic.MATH_KINDS[9:]  # every kind is drawn, and drawn by its name
+    with pytest.raises(ValueError, match="no math kind 'latex_time'"):
+        arithmetic.math_problem(__import__("random").Random(0), "latex_time")
     items = [i for i in probes.math_probes() if i["kind"] != "add"]
     rewrite = [(r"\\frac\{(\d+)\}\{(\d+)\}", r"(F(\1)/\2)"), (r"\\sqrt\{(\d+)\}", r"R(\1)"), (r"√(\d+)", r"R(\1)"),
                (r"\\times|\\cdot|×", "*"), (r"\\div|÷", "/"), (r"\^", "**"), ("²", "**2"), ("³", "**3"),
@@ -72,7 +82,7 @@ def test_every_math_probe_answer_is_its_expressions_value_and_the_kinds_are_abou
         expression = item["question"].removesuffix("=")
         for pattern, python in rewrite:
             expression = re.sub(pattern, python, expression)
-        value = eval(expression, {"F": Fraction, "R": lambda n: Fraction(round(n ** 0.5))})  # our own generated text
+        value = eval(expression, {"F": Fraction, "R": root})  # our own generated text
         assert value == Fraction(item["answer"]), item
     sizes = Counter(i["kind"] for i in items)
     assert len(sizes) == 16 and sizes["power"] == 32 and sizes["root"] == 28

@@ -42,6 +42,8 @@ def math_problem(rng: random.Random, kind: str | None = None) -> tuple[str, str,
     """One (kind, prompt, answer) math item, of `kind` or of a kind drawn at random; prompt + answer is the full
     training line."""
     kind = kind or rng.choice(MATH_KINDS)
+    if kind not in MATH_KINDS:
+        raise ValueError(f"no math kind {kind!r}: one of {', '.join(MATH_KINDS)}")
     if kind in COMPOSED_KINDS:
         return kind, *COMPOSED_KINDS[kind](rng)
     if kind == "add":

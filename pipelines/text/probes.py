@@ -30,7 +30,9 @@ def math_probes(seed: int = PROBE_SEED, count: int = 2 * POOL) -> list[dict]:
     seen: set[str] = set()
     while len(items) < count:
         grew = False
-        for kind in kinds[: count - len(items)]:
+        for kind in kinds:
+            if len(items) == count:
+                break
             for _ in range(200):  # a kind whose prompts have run out is passed over
                 _, prompt, answer = arithmetic.math_problem(rng, kind)
                 if prompt not in seen:

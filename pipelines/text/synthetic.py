@@ -238,7 +238,7 @@ FUNCTIONS: dict[str, tuple[str, str, object, object]] = {
     "count": ("def count_{n}(items):", "return items.count({n})", [[1, 2, 2, 3], *_bit_lists(20)],
               lambda n, x: x.count(n)),
     "has": ("def has_{n}(items):", "return {n} in items", _bit_lists(40), lambda n, x: n in x),
-    # four more (2026-12-05): the code pool's 1,044 cases in 57 families, what compare.planning asks (docs/compare.md)
+    # four more (2026-12-05): the code pool's 1,044 cases in 58 families, what compare.planning asks (docs/compare.md)
     "bor": ("def or_{n}(x):", "return x | {n}", INTS, lambda n, x: x | n),
     "bxor": ("def xor_{n}(x):", "return x ^ {n}", INTS, lambda n, x: x ^ n),
     "floor": ("def round_down_{n}(x):", "return x - x % {n}", INTS, lambda n, x: x - x % n),
