@@ -3,6 +3,8 @@ margin, as items grow and as families cap it; the items a pool is told it needs.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -82,25 +84,50 @@ def planning_params(tmp_path, icc: float, **evaluate):
 
 
 def test_doctor_says_which_pools_are_short_and_what_would_size_them(tmp_path, monkeypatch):
-    """The shipped pools are sized to the shipped plan (within-family correlation 0.025, gptq3's rows): every row
-    reaches 0.55. At twice that correlation the 25 math families cannot, and code needs about half as many items
-    again; with independent flips every pool is sized; a cap of 300 items is not. Standard lm-eval task rows are
-    never loaded for it (their datasets would be)."""
+    """The shipped pools are sized to the shipped plan (within-family correlation 0.025): every row reaches 0.55, but
+    the committed compare.json's gptq3 code row crowded its flips more (0.056), and the row warns of that. At twice
+    the correlation the 25 math families cannot reach 0.55, and code needs about half as many items again; with
+    independent flips every pool is sized; a cap of 300 items is not. Standard lm-eval task rows are never loaded for
+    it (their datasets would be)."""
     from pipelines.evaluation import standard_tasks
 
     monkeypatch.setattr(standard_tasks, "doc_count", lambda *a: pytest.fail("the doctor loaded a task's dataset"))
     shipped = pools_check(load_params())
-    assert shipped.status == OK, shipped
+    assert shipped.status == WARN and "Below" not in shipped.detail, shipped
     assert "math 2000 items/25 families" in shipped.detail and "code 1000 items/58 families" in shipped.detail
     assert "code_comment 1100 items/42 families" in shipped.detail
+    assert "more within-family correlation than 0.025 in: gptq3 code 0.0558" in shipped.detail
+    assert "set compare.planning.icc from compare.json" in shipped.remedy
     doubled = pools_check(planning_params(tmp_path, 0.05))
     assert doubled.status == WARN, doubled
     assert "math: no number of items reaches 0.55 with its 25 families" in doubled.detail
     assert "code: about 1550 items (the pool has 1000)" in doubled.detail
+    independent = pools_check(planning_params(tmp_path, 0.0))  # every judged row shows some correlation above 0
+    assert independent.status == WARN and "Below" not in independent.detail and "awq4 math" in independent.detail
+    from pipelines.diagnose import pools
+
+    monkeypatch.setattr(pools, "COMPARE_REPORT", tmp_path / "no-compare.json")  # a fresh run: nothing judged yet
     independent = pools_check(planning_params(tmp_path, 0.0))
     assert independent.status == OK and all(f"{row} " in independent.detail for row in ("math", "code", "chat"))
     capped = pools_check(planning_params(tmp_path, 0.0, max_items=300))
     assert capped.status == WARN and "the looks stop at 300: evaluate.max_items" in capped.detail
+
+
+def test_rows_more_clustered_than_planned_are_named_from_the_last_compare(tmp_path):
+    """Only judged rows above the plan's icc, by variant; no compare.json, or one that is not compare's, says nothing."""
+    from pipelines.diagnose.pools import more_clustered_than_planned
+
+    report = tmp_path / "compare.json"
+    assert more_clustered_than_planned(0.025, report) == []
+    report.write_text("{not json")
+    assert more_clustered_than_planned(0.025, report) == []
+    report.write_text("[1, 2]")
+    assert more_clustered_than_planned(0.025, report) == []
+    report.write_text(json.dumps({"planning": {"rows": {
+        "math": {"observed_icc": {"awq4": 0.01, "gptq3": 0.03, "int8": None}},
+        "chat": {"observed_icc": {"gptq3": 0.025}}, "code": {}}}}))
+    assert more_clustered_than_planned(0.025, report) == ["gptq3 math 0.03"]
+    assert more_clustered_than_planned(0.005, report) == ["awq4 math 0.01", "gptq3 math 0.03", "gptq3 chat 0.025"]
 
 
 def test_single_items_grow_in_number_and_an_empty_pool_is_named():

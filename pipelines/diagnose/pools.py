@@ -9,7 +9,27 @@ doctor does not load (compare.json's `planning` covers those rows), and this row
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from pipelines.core.paths import COMPARE_REPORT
 from pipelines.diagnose.check import OK, WARN, Check
+
+
+def more_clustered_than_planned(icc: float, report: Path = COMPARE_REPORT) -> list[str]:
+    """`<variant> <row> <icc>` for each row of the last compare whose judged variant showed a larger within-family
+    correlation of flips (compare.json's planning.rows.<row>.observed_icc) than the plan assumes: the pools are sized
+    for `icc`, and a variant whose flips crowd more is undecided more often than planned. Nothing when there is no
+    readable compare.json (a fresh run)."""
+    from pipelines.core.errors import QuantgateError
+    from pipelines.core.io import read_json
+
+    try:
+        rows = (read_json(report).get("planning") or {}).get("rows") or {}
+    except (QuantgateError, OSError, AttributeError):  # missing, not JSON, or not compare's shape: nothing to say
+        return []
+    return [f"{name} {row} {seen:g}" for row, plan in rows.items() if isinstance(plan, dict)
+            for name, seen in sorted((plan.get("observed_icc") or {}).items())
+            if isinstance(seen, (int, float)) and seen > icc]
 
 
 def pools_check(params) -> Check:
@@ -42,8 +62,15 @@ def pools_check(params) -> Check:
             short.append(f"{row}: about {r['items_for_power']} items ({where})")
     detail = (f"pass rate of a variant {g.drop_of_margin:g} x the margin below fp16 (flip rate {g.flip_rate:g}, "
               f"within-family correlation {g.icc:g}; compare.planning): " + "; ".join(parts))
-    if short:
-        return Check("pools", WARN, detail + f". Below {g.power:g}: " + "; ".join(short),
-                     "such a variant would mostly be `inconclusive`: add probe items (eval/<type>/) or raise "
-                     "evaluate.max_items (docs/compare.md, \"Sizing a pool\")")
+    crowded = more_clustered_than_planned(g.icc, COMPARE_REPORT)
+    if crowded:
+        detail += (f". The last compare ({COMPARE_REPORT}) shows more within-family correlation than {g.icc:g} in: "
+                   + ", ".join(crowded) + ": a variant whose flips crowd like that is undecided more often than planned")
+    remedies = (["such a variant would mostly be `inconclusive`: add probe items (eval/<type>/) or raise "
+                 "evaluate.max_items"] if short else []) + (
+        ["set compare.planning.icc from compare.json's planning.rows.<type>.observed_icc and size the pools again"]
+        if crowded else [])
+    if short or crowded:
+        return Check("pools", WARN, detail + (f". Below {g.power:g}: " + "; ".join(short) if short else ""),
+                     "; ".join(remedies) + " (docs/compare.md, \"Sizing a pool\")")
     return Check("pools", OK, detail)
