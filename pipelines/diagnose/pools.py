@@ -4,32 +4,43 @@ The accuracy rule spends its false-pass budget first, so an undersized pool show
 `inconclusive`. compare.planning says which variant a pool must be able to pass (pipelines/judging/planning.py);
 this says, before anything runs, how often each request type's looks would, and how many items would make it often
 enough. Only the project's probe pools are planned here: a standard lm-eval task's pool is its dataset, which the
-doctor does not load (compare.json's `planning` covers those rows), and this row only ever warns.
+doctor does not load (compare.json's `planning` covers those rows), and this row only ever warns. It also reads the
+last compare (results/compare.json) for rows of the same pools whose variants crowded their flips more than the plan
+assumes: the plan's correlation is an assumption, and those rows are the evidence against it.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from pipelines.core.paths import COMPARE_REPORT
 from pipelines.diagnose.check import OK, WARN, Check
 
 
-def more_clustered_than_planned(icc: float, report: Path = COMPARE_REPORT) -> list[str]:
+def more_clustered_than_planned(icc: float, pools: dict[str, dict], report: Path = COMPARE_REPORT) -> list[str]:
     """`<variant> <row> <icc>` for each row of the last compare whose judged variant showed a larger within-family
     correlation of flips (compare.json's planning.rows.<row>.observed_icc) than the plan assumes: the pools are sized
-    for `icc`, and a variant whose flips crowd more is undecided more often than planned. Nothing when there is no
-    readable compare.json (a fresh run)."""
+    for `icc`, and a variant whose flips crowd more is undecided more often than planned. Only rows planned on the same
+    pool as now (`pools`: planning.plan_all's rows; the same items and families); nothing when there is no readable
+    compare.json (a fresh run) or it is not compare's shape."""
     from pipelines.core.errors import QuantgateError
     from pipelines.core.io import read_json
 
     try:
-        rows = (read_json(report).get("planning") or {}).get("rows") or {}
-    except (QuantgateError, OSError, AttributeError):  # missing, not JSON, or not compare's shape: nothing to say
+        report_rows = read_json(report)["planning"]["rows"]
+    except (QuantgateError, OSError, ValueError, LookupError, TypeError):  # missing, unreadable, not compare's
         return []
-    return [f"{name} {row} {seen:g}" for row, plan in rows.items() if isinstance(plan, dict)
-            for name, seen in sorted((plan.get("observed_icc") or {}).items())
-            if isinstance(seen, (int, float)) and seen > icc]
+    found = []
+    for row, plan in (report_rows.items() if isinstance(report_rows, dict) else []):
+        now = pools.get(row)
+        if not (isinstance(plan, dict) and now and isinstance(plan.get("observed_icc"), dict)
+                and (plan.get("items"), plan.get("families")) == (now["items"], now["families"])):
+            continue
+        for name, seen in sorted(plan["observed_icc"].items()):
+            if isinstance(seen, (int, float)) and not isinstance(seen, bool) and math.isfinite(seen) and seen > icc:
+                found.append(f"{name} {row} {seen:g}")
+    return found
 
 
 def pools_check(params) -> Check:
@@ -62,15 +73,17 @@ def pools_check(params) -> Check:
             short.append(f"{row}: about {r['items_for_power']} items ({where})")
     detail = (f"pass rate of a variant {g.drop_of_margin:g} x the margin below fp16 (flip rate {g.flip_rate:g}, "
               f"within-family correlation {g.icc:g}; compare.planning): " + "; ".join(parts))
-    crowded = more_clustered_than_planned(g.icc, COMPARE_REPORT)
+    if short:
+        detail += f". Below {g.power:g}: " + "; ".join(short)
+    crowded = more_clustered_than_planned(g.icc, planned["rows"], COMPARE_REPORT)
     if crowded:
-        detail += (f". The last compare ({COMPARE_REPORT}) shows more within-family correlation than {g.icc:g} in: "
-                   + ", ".join(crowded) + ": a variant whose flips crowd like that is undecided more often than planned")
+        detail += (f". The last compare ({COMPARE_REPORT}) judged rows of these pools whose flips crowded more than "
+                   f"{g.icc:g} (variant, row, observed correlation): " + ", ".join(crowded)
+                   + "; a variant like that is undecided more often than planned")
     remedies = (["such a variant would mostly be `inconclusive`: add probe items (eval/<type>/) or raise "
                  "evaluate.max_items"] if short else []) + (
         ["set compare.planning.icc from compare.json's planning.rows.<type>.observed_icc and size the pools again"]
         if crowded else [])
     if short or crowded:
-        return Check("pools", WARN, detail + (f". Below {g.power:g}: " + "; ".join(short) if short else ""),
-                     "; ".join(remedies) + " (docs/compare.md, \"Sizing a pool\")")
+        return Check("pools", WARN, detail, "; ".join(remedies) + " (docs/compare.md, \"Sizing a pool\")")
     return Check("pools", OK, detail)
