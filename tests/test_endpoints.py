@@ -273,7 +273,7 @@ def test_a_redeploy_behind_the_same_address_and_name_makes_the_gate_undecided(se
     server that is gone cannot vouch for the evidence; each is undecided, never a pass."""
     from pipelines.gate import decide
 
-    other = write_gguf(served["model"], tmp_path / "other.F32.gguf", "F32", noise=0.5)
+    other = write_gguf(served["model"], tmp_path / "other.F32.gguf", "F32", noise=1.5)  # 0.5 kept its greedy answers
     port = free_port()
     endpoint = {"base_url": f"http://127.0.0.1:{port}/v1", "model": "tiny", "timeout_s": 30, "max_retries": 1,
                 "request_fields": GREEDY}
