@@ -96,12 +96,11 @@ def _run(repo: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["quantgate", *args], cwd=repo, env=_env(), capture_output=True, text=True, timeout=1800)
 
 
-def _commit(repo: Path, variant: str) -> None:
-    """What the issue did: `dvc commit -f` the edited stage, then `dvc repro` (compare onwards re-run on it)."""
-    for args in (["commit", "-f", f"evaluate@{variant}"], ["repro"]):
+def _commit(repo: Path, *variants: str) -> None:
+    """What the issue did: `dvc commit -f` the edited stages, then `dvc repro` (compare onwards re-run on them)."""
+    for args in (["commit", "-f", *(f"evaluate@{v}" for v in variants)], ["repro"]):
         done = dvc(args, repo)
         assert done.returncode == 0, done.stdout + done.stderr
-
 
 
 @pytest.mark.e2e
@@ -116,17 +115,31 @@ def test_untouched_records_pass_the_audit_with_a_printed_seed_that_repeats(pipel
     assert again.returncode == 0 and json.loads((repo / "results/audit.json").read_text())["sample"] == audit["sample"]
 
 
-@pytest.mark.e2e
-def test_consistently_edited_evidence_passes_the_gate_but_not_the_audit(pipeline_run, tmp_path):
-    """The issue's tamper on int8: its multiple-choice log-likelihoods and wrong answers rewritten, its per-token KL
-    halved and its KL summary recomputed to match, lm-eval's score left consistent; `dvc commit -f` and `dvc repro`.
-    Everything downstream re-derives from the edit (plain gate: exit 0); the audit re-measures and refuses, naming
-    edited items. (int8's per-token KLs may all sit below audit.kl_tolerance, so halving them is not asserted found.)"""
-    repo = _copy(pipeline_run, tmp_path)
+@pytest.fixture(scope="module")
+def tampered(pipeline_run, tmp_path_factory):
+    """One copy of the finished run with both of the tampers below, committed and re-run once (a `dvc repro` from
+    compare onwards is most of each test's time): a passing variant's evidence edited consistently, and another
+    variant's largest per-text KL made small with its summary left alone. The gate and the audit are asked per
+    variant (`--variant` re-measures that variant and fp16 only), so each edit is judged on its own."""
+    repo = _copy(pipeline_run, tmp_path_factory.mktemp("tampered"))
     # a variant the gate passes on the fixture's policy: int8 (nearly lossless), unless its memory grows on this CPU
     # (docs/memory.md), then the next
     name = next((n for n in ("int8", "awq4", "gptq3") if _run(repo, "gate", "--variant", n).returncode == 0), None)
     assert name, "no variant passes the fixture's gate"
+    edited = _edit_consistently(repo, name)
+    other = next(n for n in ("int8", "awq4", "gptq3") if n != name)
+    path = repo / f"results/eval/{other}/fidelity.jsonl"
+    texts = read_jsonl(path)
+    worst = max(range(len(texts)), key=lambda j: max(texts[j]["kl"]))
+    texts[worst]["kl"] = [v / 10 for v in texts[worst]["kl"]]  # the largest KL made small; the summary left alone
+    write_jsonl(path, texts)
+    _commit(repo, name, other)
+    return repo, name, edited, other, texts[worst]["domain"]
+
+
+def _edit_consistently(repo: Path, name: str) -> list[str]:
+    """The issue's tamper: the variant's multiple-choice log-likelihoods and wrong answers rewritten, its per-token KL
+    halved and its KL summary recomputed to match, lm-eval's score left consistent. Returns the edited items' ids."""
     records = repo / f"results/eval/{name}/items.jsonl"
     edited = []
     rows = read_jsonl(records)
@@ -150,8 +163,15 @@ def test_consistently_edited_evidence_passes_the_gate_but_not_the_audit(pipeline
     for domain in result["fidelity"]:
         result["fidelity"][domain] = fidelity.summary([t for t in texts if t["domain"] == domain], base, domain)
     write_json(repo / f"results/eval/{name}.json", result)
-    _commit(repo, name)
+    return edited
 
+
+@pytest.mark.e2e
+def test_consistently_edited_evidence_passes_the_gate_but_not_the_audit(tampered):
+    """Everything downstream re-derives from the consistent edit (plain gate: exit 0); the audit re-measures and
+    refuses, naming edited items. (int8's per-token KLs may all sit below audit.kl_tolerance, so halving them is not
+    asserted found.)"""
+    repo, name, edited, _, _ = tampered
     plain = _run(repo, "gate", "--variant", name)
     assert plain.returncode == 0, plain.stdout + plain.stderr  # the gate alone trusts the edited evidence
     audited = _run(repo, "gate", "--variant", name, "--audit")
@@ -169,16 +189,10 @@ def test_consistently_edited_evidence_passes_the_gate_but_not_the_audit(pipeline
 
 
 @pytest.mark.e2e
-def test_one_edited_per_text_kl_is_refused(pipeline_run, tmp_path):
-    repo = _copy(pipeline_run, tmp_path)
-    path = repo / "results/eval/int8/fidelity.jsonl"
-    texts = read_jsonl(path)
-    worst = max(range(len(texts)), key=lambda j: max(texts[j]["kl"]))
-    texts[worst]["kl"] = [v / 10 for v in texts[worst]["kl"]]  # the largest KL made small; the summary left alone
-    write_jsonl(path, texts)
-    _commit(repo, "int8")
-    done = _run(repo, "audit", "--variant", "int8")
+def test_one_edited_per_text_kl_is_refused(tampered):
+    repo, _, _, other, domain = tampered
+    done = _run(repo, "audit", "--variant", other)
     assert done.returncode == 2, done.stdout + done.stderr
     audit = json.loads((repo / "results/audit.json").read_text())
-    assert any(p["variant"] == "int8" and p["row"] == texts[worst]["domain"] and "per-text rows" in p["what"]
+    assert any(p["variant"] == other and p["row"] == domain and "per-text rows" in p["what"]
                for p in audit["problems"]), audit["problems"]

@@ -90,19 +90,23 @@ BODY_ESCAPES = (" __import__('os')._exit(0)", " __import__('sys').exit(0)", " (_
 
 def test_shipped_code_probes_pass_their_canonical_body_and_fail_every_escape(every_item):
     """eval/code's 1,000 items through lm-eval's own process_results (eval/code/utils.py): every canonical body
-    passes; every item with an escape instead of its body fails (the first three exit 0). The quick tier takes
-    every ninth item (112; odd, so every escape is among them), the full run all of them."""
+    passes (a wrong item's tests would fail its own body: checked on every item in the full run, every ninth in the
+    quick tier); an escape instead of the body fails (the first three exit 0), checked on every ninth item in both
+    (112, every escape among them): an escape leaves before any item's asserts, so what it shows does not depend on
+    the item, and the other 888 cost about a minute of sandboxes on two cores."""
     task = _task(REPO / "eval", "quantgate_code")
     docs = list(task.eval_docs)
     assert len(docs) == 1000
-    picked = range(len(docs)) if every_item else range(0, len(docs), 9)
+    sample = range(0, len(docs), 9)
+    picked = range(len(docs)) if every_item else sample
     # each call is its own sandboxed process: a thread per core this process may use keeps them busy (half the time
     # on two); at most 4, as every sandbox counts against the one uid's process limit (sandbox.Limits)
     with ThreadPoolExecutor(max_workers=min(4, len(os.sched_getaffinity(0)))) as pool:
         canonical = list(pool.map(lambda n: task.process_results(docs[n], [docs[n]["canonical"]]), picked))
-        escapes = list(pool.map(lambda n: task.process_results(docs[n], [BODY_ESCAPES[n % len(BODY_ESCAPES)]]), picked))
+        escapes = list(pool.map(lambda n: task.process_results(docs[n], [BODY_ESCAPES[n % len(BODY_ESCAPES)]]), sample))
     assert [docs[n]["id"] for n, got in zip(picked, canonical) if got != {"pass@1": 1.0}] == []
-    assert [docs[n]["id"] for n, got in zip(picked, escapes) if got != {"pass@1": 0.0}] == []
+    assert [docs[n]["id"] for n, got in zip(sample, escapes) if got != {"pass@1": 0.0}] == []
+    assert {n % len(BODY_ESCAPES) for n in sample} == set(range(len(BODY_ESCAPES)))  # every escape is tried
 
 
 def test_a_declared_runs_code_type_gets_the_same_check(tmp_path):
