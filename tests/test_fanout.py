@@ -243,14 +243,16 @@ def kill_worker_of(stage_args: list[str], deadline: float) -> dict[str, str]:
 @pytest.mark.parametrize("retries", [1, 0])
 def test_a_worker_killed_mid_task_is_retried_or_recorded_as_the_variants_failure(tmp_path, ray_cluster, small_sequential,
                                                                                   retries):
-    """A copy of the finished small repository whose memory@int8 result is gone: `quantgate fanout` runs that one
-    stage (every other chain stage is up to date), and its Ray worker is killed while it measures."""
+    """A copy of the finished small repository whose int8 checkpoint is gone: `quantgate fanout` runs int8's chain
+    (quantize, then memory and evaluate side by side; every other chain stage is up to date), and the Ray worker of
+    memory@int8, a task that waited on quantize@int8's, is killed while it measures (evaluate@int8, ready at the same
+    moment, runs on the cluster meanwhile)."""
     repo = tmp_path / "repo"
     shutil.copytree(small_sequential, repo, symlinks=True)
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["fanout"]["retries"] = retries  # (no stage's parameter: nothing else goes stale)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))
-    (repo / "results/memory/int8.json").unlink()
+    shutil.rmtree(repo / "models/variants/int8")
     proc = subprocess.Popen([tool("quantgate"), "fanout", "--address", ray_cluster, "--report", "fanout.json"],
                             cwd=repo, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -264,7 +266,7 @@ def test_a_worker_killed_mid_task_is_retried_or_recorded_as_the_variants_failure
     assert stage_env.get("OMP_WAIT_POLICY") == "PASSIVE" and "OMP_NUM_THREADS" not in stage_env
     report = json.loads((repo / "fanout.json").read_text())
     memory = json.loads((repo / "results/memory/int8.json").read_text())
-    assert set(report["ran"]) | set(report["failed"]) == {"memory@int8"}, report  # the one stale stage, nothing else
+    assert set(report["ran"]) | set(report["failed"]) == {f"{s}@int8" for s in ("quantize", "memory", "evaluate")}
     if retries:
         assert "memory@int8" in report["ran"] and memory["status"] == "ok"
     else:
@@ -272,8 +274,8 @@ def test_a_worker_killed_mid_task_is_retried_or_recorded_as_the_variants_failure
         assert memory["status"] == "failed" and memory["error"].startswith("memory@int8: its Ray task failed")
     assert not list((repo / "results/memory").glob(".*"))  # nothing half-written
     # compare and what it stands on: every chain stage was committed by fanout (the failure record included), so only
-    # the two stages after the chains run. The stages after compare are the fan-out fixture's (a variant that failed
-    # its verdict goes through them as any other: pipeline_run's broken candidate)
+    # the two stages after the chains run. The stages after compare are run by small_sequential and the fan-out
+    # fixture (a variant that failed its verdict goes through them as any other: pipeline_run's broken candidate)
     rest = run([tool("dvc"), "repro", "compare"], repo)
     assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
     verdict = json.loads((repo / "results/compare.json").read_text())["variants"]["int8"]

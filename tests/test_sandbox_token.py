@@ -93,7 +93,8 @@ def test_shipped_code_probes_pass_their_canonical_body_and_fail_every_escape(eve
     passes (a wrong item's tests would fail its own body: checked on every item in the full run, every ninth in the
     quick tier); an escape instead of the body fails (the first three exit 0), checked on every ninth item in both
     (112, every escape among them): an escape leaves before any item's asserts, so what it shows does not depend on
-    the item, and the other 888 cost about a minute of sandboxes on two cores."""
+    the item, and the other 888 cost about a minute of sandboxes on two cores (that each item's tests run its body at
+    all, and fail it with any other number: tests/test_probes.py, test_code_probe_tests_reject_a_miscopied_number)."""
     task = _task(REPO / "eval", "quantgate_code")
     docs = list(task.eval_docs)
     assert len(docs) == 1000
