@@ -22,6 +22,8 @@ import contextlib
 import gc
 import logging
 import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,6 +75,7 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
         # collection take a quarter of a second on a CPU. They live as long as the process: freeze them (after the
         # first model's cycles are collected), so a collection walks only what the model and the rounds made.
         gc.freeze()
+        stop_progress_monitor()
         probe.reset_peak()
         before = probe.snapshot()
         started = time.perf_counter()
@@ -131,6 +134,19 @@ def measure(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round
         probe.close()
         gc.unfreeze()  # (above: in the stage's isolated child; a caller that measures in its own process keeps its gc)
     return result
+
+
+def stop_progress_monitor() -> None:
+    """Stop tqdm's monitor thread (a library's progress bar starts it; it wakes every 10 s) and keep it from starting
+    again: what it allocates between rounds would be counted as the model's growth (a fanned-out gptq3 soak was once
+    flagged as a leak, 95 % of it traced to tqdm/_monitor.py)."""
+    std = sys.modules.get("tqdm.std")
+    if std is None:
+        return
+    std.tqdm.monitor_interval = 0
+    for thread in threading.enumerate():
+        if isinstance(thread, std.TMonitor):
+            thread.exit()
 
 
 def measure_isolated(variant_dir: str, p: MemoryParams, device: str, leak_bytes_per_round: int = 0,

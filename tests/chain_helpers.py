@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -53,7 +52,7 @@ def small_repo(dest: Path, variants: list[str], **fanout_settings) -> Path:
     """A copy of the repository with the end-to-end test's small settings, judged on accuracy alone: memory limits
     as wide as params.yaml's bounds allow (growth up to the minimum saving, a 5 % leak), so that two stages
     measuring side by side on two cores do not flip a verdict."""
-    from tests.pipeline_e2e_helpers import repo_copy
+    from tests.pipeline_e2e_helpers import repo_copy, shadow_sample
 
     repo = repo_copy(dest)
     params = yaml.safe_load((repo / "params.yaml").read_text())
@@ -64,15 +63,7 @@ def small_repo(dest: Path, variants: list[str], **fanout_settings) -> Path:
                             alternations=2, burst_size=2, leak_tolerance_pct=5.0)
     params["variants"] = {name: params["variants"][name] for name in variants}
     params["fanout"].update(fanout_settings)
-    # the shadow replay (the slowest stage here: 420 requests through fp16 and each routed variant) on the first few
-    # requests of each type, still enough for route to listen to a type's agreement (shadow.min_requests)
-    per_type, taken, kept = params["shadow"]["min_requests"] + 4, Counter(), []
-    for line in (repo / params["shadow"]["traffic"]).read_text().splitlines():
-        taken[label := json.loads(line)[params["shadow"]["label_field"]]] += 1
-        if taken[label] <= per_type:
-            kept.append(line)
-    (repo / "shadow_sample.jsonl").write_text("\n".join(kept) + "\n")  # (not in calibrate's traffic folder)
-    params["shadow"]["traffic"] = "shadow_sample.jsonl"
+    shadow_sample(repo, params)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))
     return repo
 

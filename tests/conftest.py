@@ -242,13 +242,14 @@ def pipeline_run(tmp_path_factory):
 
     from pipelines.core.params import load_params
     from pipelines.evaluation.plans import probe_plans
-    from tests.pipeline_e2e_helpers import add_sql_request_type, dvc, repo_copy
+    from tests.pipeline_e2e_helpers import add_sql_request_type, dvc, repo_copy, shadow_sample
     from tests.llama_server import serving, write_gguf
     from tests.sample_log_helpers import lm_eval_log
 
     repo = repo_copy(tmp_path_factory.mktemp("repo"))
     params = yaml.safe_load((repo / "params.yaml").read_text())
     add_sql_request_type(repo, params)
+    shadow_sample(repo, params)  # 24 requests a type (sql's 20), not all 440: route still listens to every type
     # the shipped reference model (copied, not trained): a model that answers the probes, so the verdicts
     # judge something (a model that scores 0 everywhere cannot pass) and the loop runs to promotion
     params["calibration"].update(samples=64, max_tokens=96)

@@ -80,3 +80,18 @@ def add_sql_request_type(repo: Path, params: dict) -> None:
                    "text": "{{prompt}}{{answer}}"},
         "policy": {"max_accuracy_drop": 0.3}}
     params["calibration"]["weights"]["sql"] = 0.5  # a small share of traffic; chat (43 %) keeps enough samples
+
+
+def shadow_sample(repo: Path, params: dict) -> None:
+    """The shadow replay (a whole stage's slowest part: every request through fp16 and each routed variant, one
+    process and one model load each) on the first few requests of each type of its log, still enough for route to
+    listen to a type's agreement (shadow.min_requests). Written beside the log, not in calibrate's traffic folder."""
+    from collections import Counter
+
+    per_type, taken, kept = params["shadow"]["min_requests"] + 4, Counter(), []
+    for line in (repo / params["shadow"]["traffic"]).read_text().splitlines():
+        taken[label := json.loads(line)[params["shadow"]["label_field"]]] += 1
+        if taken[label] <= per_type:
+            kept.append(line)
+    (repo / "shadow_sample.jsonl").write_text("\n".join(kept) + "\n")
+    params["shadow"]["traffic"] = "shadow_sample.jsonl"

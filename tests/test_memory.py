@@ -157,3 +157,27 @@ def test_summary_sets_growth_against_fp16(tmp_path):
     assert growth.warmup_end([0, 10, 20, 30, 40, 50, 60, 70], tail=4, floor=2) is None
     assert growth.warmup_end([5, 4, 6, 5, 5, 4, 6], tail=4, floor=2) == 0
     assert all(p.stat().st_size > 1000 for p in pngs)
+
+
+def test_a_progress_bars_monitor_thread_is_stopped_before_the_soak_and_stays_stopped():
+    """tqdm's monitor wakes every 10 s and allocates between soak rounds: measure() stops it before the rounds."""
+    import io
+    import threading
+
+    import tqdm
+
+    def monitors():
+        return [t for t in threading.enumerate() if isinstance(t, tqdm.std.TMonitor) and t.is_alive()]
+
+    interval = tqdm.tqdm.monitor_interval
+    try:
+        for _ in tqdm.tqdm(range(2), file=io.StringIO()):
+            pass
+        assert monitors()  # a bar started one, as a library's bar does in the measuring process
+        memory.stop_progress_monitor()
+        assert not monitors()
+        for _ in tqdm.tqdm(range(2), file=io.StringIO()):  # a bar made during the rounds starts none
+            pass
+        assert not monitors()
+    finally:
+        tqdm.tqdm.monitor_interval, tqdm.tqdm.monitor = interval, None

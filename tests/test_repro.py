@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,7 +17,7 @@ import pytest
 from pipelines import repro
 from tests.conftest import ROOT
 from tests.chain_helpers import SMALL_VARIANTS as VARIANTS
-from tests.chain_helpers import raylets, records, run, small_repo, tool, verdicts
+from tests.chain_helpers import raylets, records, run, tool, verdicts
 
 
 def test_one_core_or_no_ray_or_the_flag_means_plain_dvc_repro_and_the_reason_is_given(monkeypatch):
@@ -63,7 +65,14 @@ def sequential_and_repro(tmp_path_factory, request):
     if GPU_HERE:
         pytest.skip("a GPU here: with fanout.gpus 0 quantgate repro runs plain dvc repro (tested by monkeypatching)")
     seq = request.getfixturevalue("small_sequential")  # `dvc repro` of the same small repository (conftest.py)
-    par = small_repo(tmp_path_factory.mktemp("repro"), VARIANTS)
+    # a copy of the finished run, on the smallest chain that still fans out: awq4's checkpoint gone (its quantize,
+    # memory and evaluate run as tasks on the private cluster; every chain side by side: the fan-out fixture), the
+    # MLflow store and the stage timings gone (record writes a new store; the timings are this run's), then the
+    # stages after the chains under `dvc repro`
+    par = tmp_path_factory.mktemp("repro") / "repo"
+    shutil.copytree(seq, par, symlinks=True)
+    for gone in ("models/variants/awq4", "mlflow.db", "mlartifacts", "results/mlflow_run.json", "logs/timings"):
+        shutil.rmtree(par / gone) if (par / gone).is_dir() else (par / gone).unlink()
     before = set(raylets())
     parallel = run([tool("quantgate"), "repro"], par)
     assert parallel.returncode == 0, parallel.stdout[-3000:] + parallel.stderr[-3000:]
@@ -98,6 +107,7 @@ def test_quantgate_repro_fans_out_and_matches_a_sequential_dvc_repro(sequential_
     seq, par, parallel = sequential_and_repro
     said = parallel.stdout + parallel.stderr
     assert "chain stages ran" in said and "plain dvc repro" not in said, said[-3000:]
+    assert set(re.findall(r"fanout: (\S+) done in", said)) == {f"{s}@awq4" for s in ("quantize", "memory", "evaluate")}
     assert records(par) == records(seq) and len(records(seq)) == len(VARIANTS)
     assert verdicts(par) == verdicts(seq)
     assert routes(par) == routes(seq)
