@@ -114,6 +114,8 @@ def test_quantgate_repro_fans_out_and_matches_a_sequential_dvc_repro(sequential_
     assert mlflow_layout(par) == mlflow_layout(seq) and len(mlflow_layout(seq)) == len(VARIANTS) + 2  # + parent, shadow
     status = run([tool("dvc"), "status"], par)
     assert "up to date" in status.stdout, status.stdout
+    gated = run([tool("quantgate"), "gate", "--variant", "awq4"], par)
+    assert gated.returncode in (0, 1), gated.stdout + gated.stderr  # decided: the gate accepts fanned-out results
     timings = par / "logs" / "timings"
     evaluate = [json.loads(p.read_text()) for p in (timings / "evaluate@awq4").glob("*.json")]
     assert any("lm-eval" in row["library"] for row in evaluate)  # the child process's library time came back

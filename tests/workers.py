@@ -20,11 +20,12 @@ GROUP_OF_FIXTURE = {
     "tests.conftest:direct_checkpoints": "library_checkpoints", "tests.conftest:ct_checkpoints": "library_checkpoints",
 }
 # The groups that took longest (CI's --durations, docs/testing.md) are handed out first, so that no worker starts a long
-# one when the others are done. Seconds on the 2-core CI machine, one process; a group not listed keeps its place.
+# one when the others are done. Seconds on the 2-core CI machine under two workers (the CI of fc71851); a group not
+# listed keeps its place.
 SECONDS_OF_GROUP = {
-    "ray": 1050, "pipeline_run": 750, "tests/test_mlflow_server.py": 130, "tests/test_sandbox_token.py": 130,
-    "tests/test_mlflow_ui.py": 100, "tests/test_memory.py": 90, "log_evidence": 60, "tests/test_gpu_memory_check.py": 60,
-    "tests/test_shadow.py": 50, "tests/test_gguf.py": 40, "tests/test_isolation.py": 35,
+    "ray": 850, "pipeline_run": 780, "tests/test_mlflow_server.py": 160, "tests/test_mlflow_ui.py": 135,
+    "tests/test_memory.py": 90, "tests/test_sandbox_token.py": 60, "log_evidence": 60, "tests/test_gpu_memory_check.py": 60,
+    "tests/test_memory_attribution.py": 55, "tests/test_shadow.py": 40, "tests/test_gguf.py": 30, "tests/test_isolation.py": 25,
 }
 MAX_WORKERS = 4  # every sandboxed program runs as the one uid 65534, and they share its process limit
 WORKER_TMP = pytest.StashKey[str]()
