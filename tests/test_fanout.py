@@ -190,23 +190,17 @@ def sequential_and_fanned(tmp_path_factory, ray_cluster, small_sequential):
     then `dvc repro`)."""
     seq = small_sequential  # `dvc repro` of the same small repository, shared with tests/test_repro.py
     fan = small_repo(tmp_path_factory.mktemp("fanned"), SMALL_VARIANTS, retries=1)
-    proc = subprocess.Popen([tool("quantgate"), "fanout", "--address", ray_cluster, "--report", "fanout.json"],
-                            cwd=fan, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        stage_env = kill_worker_of(["memory", "int8"], time.monotonic() + 900)
-        output, _ = proc.communicate(timeout=1800)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, output[-3000:]
+    stage_env, killed = fanout_killing_memory_int8(fan, ray_cluster)
     rest = run([tool("dvc"), "repro", "compare"], fan)
     assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
-    return seq, fan, json.loads((fan / "fanout.json").read_text()), rest, stage_env
+    return seq, fan, json.loads((fan / "fanout.json").read_text()), rest, (stage_env, killed)
 
 
 def test_fanout_gives_the_same_records_and_verdicts_as_dvc_repro(sequential_and_fanned):
     """The killed worker's task was retried and left no trace: the same records and verdicts, int8's memory measured."""
-    seq, fan, report, _, stage_env = sequential_and_fanned
+    seq, fan, report, _, (stage_env, killed) = sequential_and_fanned
     assert "memory@int8" in report["ran"] and report["failed"] == {}
+    assert report["ran"]["memory@int8"]["pid"] != killed  # it ran again, in another worker
     assert json.loads((fan / "results/memory/int8.json").read_text())["status"] == "ok"
     assert not list((fan / "results/memory").glob(".*"))  # nothing half-written
     # stages side by side on shared cores: idle OpenMP threads sleep; Ray's OMP_NUM_THREADS=1 for a 1-CPU task
@@ -233,9 +227,9 @@ def test_fanout_spreads_the_chains_over_both_nodes_and_dvc_records_them(sequenti
     assert "up to date" in status.stdout, status.stdout
 
 
-def kill_worker_of(stage_args: list[str], deadline: float) -> dict[str, str]:
+def kill_worker_of(stage_args: list[str], deadline: float) -> tuple[dict[str, str], int]:
     """SIGKILL the Ray worker process running the stage whose command line is `quantgate <stage_args>`; returns
-    the stage process's environment."""
+    the stage process's environment and the killed worker's pid."""
     needle = " ".join(["quantgate", *stage_args])
     while time.monotonic() < deadline:
         for proc in Path("/proc").iterdir():
@@ -249,11 +243,25 @@ def kill_worker_of(stage_args: list[str], deadline: float) -> dict[str, str]:
                     if b"ray::" not in Path(f"/proc/{parent}/cmdline").read_bytes():
                         continue  # another pipeline on this machine (a `dvc repro` running the same stage): not ours
                     os.kill(parent, signal.SIGKILL)
-                    return environ
+                    return environ, parent
             except (OSError, ValueError, IndexError):
                 continue
         time.sleep(0.2)
     raise AssertionError(f"no `{needle}` process appeared")
+
+
+def fanout_killing_memory_int8(repo: Path, address: str) -> tuple[dict[str, str], int]:
+    """`quantgate fanout` in `repo`, the Ray worker of memory@int8 killed while it measures (kill_worker_of: the stage
+    process's environment and the killed worker's pid); the fan-out itself must end with exit 0."""
+    proc = subprocess.Popen([tool("quantgate"), "fanout", "--address", address, "--report", "fanout.json"],
+                            cwd=repo, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:  # memory@int8 may be among the last tasks of a whole fan-out: the deadline is the fan-out's own
+        killed = kill_worker_of(["memory", "int8"], time.monotonic() + 1800)
+        output, _ = proc.communicate(timeout=1800)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    return killed
 
 
 def test_a_worker_killed_mid_task_and_not_retried_is_recorded_as_the_variants_failure(tmp_path, ray_cluster,
@@ -268,14 +276,7 @@ def test_a_worker_killed_mid_task_and_not_retried_is_recorded_as_the_variants_fa
     params["fanout"]["retries"] = 0  # (no stage's parameter: nothing else goes stale)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))
     shutil.rmtree(repo / "models/variants/int8")
-    proc = subprocess.Popen([tool("quantgate"), "fanout", "--address", ray_cluster, "--report", "fanout.json"],
-                            cwd=repo, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        stage_env = kill_worker_of(["memory", "int8"], time.monotonic() + 900)
-        output, _ = proc.communicate(timeout=1800)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, output[-3000:]
+    stage_env, _ = fanout_killing_memory_int8(repo, ray_cluster)
     assert stage_env.get("OMP_WAIT_POLICY") == "PASSIVE" and "OMP_NUM_THREADS" not in stage_env
     report = json.loads((repo / "fanout.json").read_text())
     memory = json.loads((repo / "results/memory/int8.json").read_text())

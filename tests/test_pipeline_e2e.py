@@ -147,7 +147,11 @@ def test_a_candidate_served_by_a_real_engine_behind_an_endpoint(pipeline_run):
             continue
         assert d["paired"]["items"] == d["looks"]["looks"][d["looks"]["look"] - 1], (domain, d["reasons"])
         assert set(d["not_checked_here"]) == {"fidelity", "memory"}
-    shadow = json.loads((repo / "results" / "shadow.json").read_text())["models"]
+    replayed = json.loads((repo / "results" / "shadow.json").read_text())
+    # its sample (24 requests a type, sql's 20: tests/pipeline_e2e_helpers.py) still gives route every type's agreement
+    assert all(replayed["traffic"]["by_type"].get(t, 0) >= 20 for t in ("chat", "code", "code_comment", "math", "sql")), \
+        replayed["traffic"]
+    shadow = replayed["models"]
     metrics = json.loads((repo / "results" / "shadow_metrics.json").read_text())["models"]
     if any(d["verdict"] == "pass" for d in row["domains"].values()):  # replayed through the server, not skipped
         assert shadow["vendor-served"]["status"] == "ok" and shadow["vendor-served"]["agreement"]

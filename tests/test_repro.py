@@ -60,19 +60,28 @@ def test_the_local_cluster_listens_on_loopback_only_requires_its_token_and_stops
     assert not [p for p in out["pids"] if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
+# a stage after the chains -> one of its outputs
+AFTER_THE_CHAINS = {"memory-report": "results/memory_summary.json", "compare": "results/compare.json",
+                    "shadow": "results/shadow.json", "route": "results/routing_table.json",
+                    "record": "results/mlflow_run.json"}
+
+
 @pytest.fixture(scope="module")
 def sequential_and_repro(tmp_path_factory, request):
     if GPU_HERE:
         pytest.skip("a GPU here: with fanout.gpus 0 quantgate repro runs plain dvc repro (tested by monkeypatching)")
     seq = request.getfixturevalue("small_sequential")  # `dvc repro` of the same small repository (conftest.py)
     # a copy of the finished run, on the smallest chain that still fans out: awq4's checkpoint gone (its quantize,
-    # memory and evaluate run as tasks on the private cluster; every chain side by side: the fan-out fixture), the
-    # MLflow store and the stage timings gone (record writes a new store; the timings are this run's), then the
-    # stages after the chains under `dvc repro`
+    # memory and evaluate run as tasks on the private cluster; every chain side by side: the fan-out fixture), an
+    # output of each stage after the chains gone (so each runs again under `dvc repro` and what is compared below is
+    # re-derived, not copied), the MLflow store (record writes a new one) and the stage timings (this run's)
     par = tmp_path_factory.mktemp("repro") / "repo"
     shutil.copytree(seq, par, symlinks=True)
-    for gone in ("models/variants/awq4", "mlflow.db", "mlartifacts", "results/mlflow_run.json", "logs/timings"):
-        shutil.rmtree(par / gone) if (par / gone).is_dir() else (par / gone).unlink()
+    for gone in AFTER_THE_CHAINS.values():
+        (par / gone).unlink()
+    for gone in ("models/variants/awq4", "mlartifacts", "logs/timings"):
+        shutil.rmtree(par / gone)
+    (par / "mlflow.db").unlink()
     before = set(raylets())
     parallel = run([tool("quantgate"), "repro"], par)
     assert parallel.returncode == 0, parallel.stdout[-3000:] + parallel.stderr[-3000:]
@@ -108,6 +117,7 @@ def test_quantgate_repro_fans_out_and_matches_a_sequential_dvc_repro(sequential_
     said = parallel.stdout + parallel.stderr
     assert "chain stages ran" in said and "plain dvc repro" not in said, said[-3000:]
     assert set(re.findall(r"fanout: (\S+) done in", said)) == {f"{s}@awq4" for s in ("quantize", "memory", "evaluate")}
+    assert set(re.findall(r"Running stage '([^']+)'", said)) == set(AFTER_THE_CHAINS), said[-3000:]
     assert records(par) == records(seq) and len(records(seq)) == len(VARIANTS)
     assert verdicts(par) == verdicts(seq)
     assert routes(par) == routes(seq)

@@ -91,14 +91,19 @@ BODY_ESCAPES = (" __import__('os')._exit(0)", " __import__('sys').exit(0)", " (_
 def test_shipped_code_probes_pass_their_canonical_body_and_fail_every_escape(every_item):
     """eval/code's 1,000 items through lm-eval's own process_results (eval/code/utils.py): every canonical body
     passes (a wrong item's tests would fail its own body: checked on every item in the full run, every ninth in the
-    quick tier); an escape instead of the body fails (the first three exit 0), checked on every ninth item in both
-    (112, every escape among them): an escape leaves before any item's asserts, so what it shows does not depend on
-    the item, and the other 888 cost about a minute of sandboxes on two cores (that each item's tests run its body at
-    all, and fail it with any other number: tests/test_probes.py, test_code_probe_tests_reject_a_miscopied_number)."""
+    quick tier); an escape instead of the body fails (the first three exit 0), checked in both on every ninth item and
+    the first of each template (every escape and every template among them): every item's tests call its function
+    first, so an escape leaves before any of the item's own checks and what it shows does not depend on the item; the
+    rest cost about a minute of sandboxes on two cores (that each item's tests run its body and fail it with any other
+    number: tests/test_probes.py, test_code_probe_tests_reject_a_miscopied_number)."""
     task = _task(REPO / "eval", "quantgate_code")
     docs = list(task.eval_docs)
     assert len(docs) == 1000
-    sample = range(0, len(docs), 9)
+    for doc in docs:  # the function is called by the first line of the tests: an escape leaves there
+        first = doc["tests"].split("\n", 1)[0]
+        assert first.startswith("assert ") and f"{doc['prompt'][4:].split('(')[0]}(" in first, doc["id"]
+    first_of_template = {doc["template"]: n for n, doc in reversed(list(enumerate(docs)))}
+    sample = sorted(set(range(0, len(docs), 9)) | set(first_of_template.values()))
     picked = range(len(docs)) if every_item else sample
     # each call is its own sandboxed process: a thread per core this process may use keeps them busy (half the time
     # on two); at most 4, as every sandbox counts against the one uid's process limit (sandbox.Limits)
