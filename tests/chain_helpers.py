@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -66,6 +67,14 @@ def small_repo(dest: Path, variants: list[str], **fanout_settings) -> Path:
     shadow_sample(repo, params)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))
     return repo
+
+
+def with_a_stale_chain(finished: Path, dest: Path, variant: str) -> Path:
+    """A copy of a finished run whose `variant` checkpoint is gone: its quantize, memory and evaluate are stale, every
+    other chain stage up to date (the smallest chain that still fans out)."""
+    shutil.copytree(finished, dest, symlinks=True)
+    shutil.rmtree(dest / "models" / "variants" / variant)
+    return dest
 
 
 def run(args: list[str], repo: Path, timeout: int = 1800) -> subprocess.CompletedProcess:

@@ -85,7 +85,8 @@ def add_sql_request_type(repo: Path, params: dict) -> None:
 def shadow_sample(repo: Path, params: dict) -> None:
     """The shadow replay (a whole stage's slowest part: every request through fp16 and each routed variant, one
     process and one model load each) on the first few requests of each type of its log, still enough for route to
-    listen to a type's agreement (shadow.min_requests). Written beside the log, not in calibrate's traffic folder."""
+    listen to a type's agreement (shadow.min_requests). Written at the repository's root, not in calibrate's traffic
+    folder (calibrate reads every file there)."""
     from collections import Counter
 
     per_type, taken, kept = params["shadow"]["min_requests"] + 4, Counter(), []

@@ -18,7 +18,8 @@ from pipelines.chains import tasks
 from pipelines.core import ray_auth
 from pipelines.core.errors import QuantgateError
 from pipelines.core.params import Params
-from tests.chain_helpers import SMALL_VARIANTS, env, free_port, raylets, records, run, small_repo, tool, verdicts
+from tests.chain_helpers import (SMALL_VARIANTS, env, free_port, raylets, records, run, small_repo, tool, verdicts,
+                                 with_a_stale_chain)
 from tests.conftest import ROOT
 
 
@@ -270,12 +271,10 @@ def test_a_worker_killed_mid_task_and_not_retried_is_recorded_as_the_variants_fa
     (quantize, then memory and evaluate side by side; every other chain stage is up to date), and the Ray worker of
     memory@int8, a task that waited on quantize@int8's, is killed while it measures (evaluate@int8, ready at the same
     moment, runs on the cluster meanwhile), with no retry left. (Killed and retried: the fan-out fixture.)"""
-    repo = tmp_path / "repo"
-    shutil.copytree(small_sequential, repo, symlinks=True)
+    repo = with_a_stale_chain(small_sequential, tmp_path / "repo", "int8")
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["fanout"]["retries"] = 0  # (no stage's parameter: nothing else goes stale)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))
-    shutil.rmtree(repo / "models/variants/int8")
     stage_env, _ = fanout_killing_memory_int8(repo, ray_cluster)
     assert stage_env.get("OMP_WAIT_POLICY") == "PASSIVE" and "OMP_NUM_THREADS" not in stage_env
     report = json.loads((repo / "fanout.json").read_text())

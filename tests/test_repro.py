@@ -17,7 +17,7 @@ import pytest
 from pipelines import repro
 from tests.conftest import ROOT
 from tests.chain_helpers import SMALL_VARIANTS as VARIANTS
-from tests.chain_helpers import raylets, records, run, tool, verdicts
+from tests.chain_helpers import raylets, records, run, tool, verdicts, with_a_stale_chain
 
 
 def test_one_core_or_no_ray_or_the_flag_means_plain_dvc_repro_and_the_reason_is_given(monkeypatch):
@@ -75,11 +75,10 @@ def sequential_and_repro(tmp_path_factory, request):
     # memory and evaluate run as tasks on the private cluster; every chain side by side: the fan-out fixture), an
     # output of each stage after the chains gone (so each runs again under `dvc repro` and what is compared below is
     # re-derived, not copied), the MLflow store (record writes a new one) and the stage timings (this run's)
-    par = tmp_path_factory.mktemp("repro") / "repo"
-    shutil.copytree(seq, par, symlinks=True)
+    par = with_a_stale_chain(seq, tmp_path_factory.mktemp("repro") / "repo", "awq4")
     for gone in AFTER_THE_CHAINS.values():
         (par / gone).unlink()
-    for gone in ("models/variants/awq4", "mlartifacts", "logs/timings"):
+    for gone in ("mlartifacts", "logs/timings"):
         shutil.rmtree(par / gone)
     (par / "mlflow.db").unlink()
     before = set(raylets())

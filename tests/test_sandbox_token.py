@@ -99,10 +99,11 @@ def test_shipped_code_probes_pass_their_canonical_body_and_fail_every_escape(eve
     task = _task(REPO / "eval", "quantgate_code")
     docs = list(task.eval_docs)
     assert len(docs) == 1000
-    for doc in docs:  # the function is called by the first line of the tests: an escape leaves there
+    first_of_template = {}
+    for n, doc in enumerate(docs):  # the function is called by the first line of the tests: an escape leaves there
         first = doc["tests"].split("\n", 1)[0]
         assert first.startswith("assert ") and f"{doc['prompt'][4:].split('(')[0]}(" in first, doc["id"]
-    first_of_template = {doc["template"]: n for n, doc in reversed(list(enumerate(docs)))}
+        first_of_template.setdefault(doc["template"], n)
     sample = sorted(set(range(0, len(docs), 9)) | set(first_of_template.values()))
     picked = range(len(docs)) if every_item else sample
     # each call is its own sandboxed process: a thread per core this process may use keeps them busy (half the time
