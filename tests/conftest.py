@@ -64,6 +64,34 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: -SECONDS_OF_GROUP.get(group[item], 0))
 
 
+# ---- the content cache (tests/content_cache.py): what a failed test read is built anew next run
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        from tests.content_cache import entries_of
+
+        report.user_properties.append(("content_cache_entries", entries_of(item)))
+    return report
+
+
+_FAILED_ENTRIES: set[str] = set()
+
+
+def pytest_runtest_logreport(report):
+    """On the main process (and every worker): the entries failed tests read (user_properties cross from workers)."""
+    for key, entries in report.user_properties:
+        if key == "content_cache_entries":
+            _FAILED_ENTRIES.update(entries)
+
+
+def pytest_sessionfinish(session):
+    if not os.environ.get("PYTEST_XDIST_WORKER") and _FAILED_ENTRIES:  # the whole run is over: nobody reads them now
+        from tests.content_cache import forget
+
+        forget(_FAILED_ENTRIES)
+
+
 @pytest.fixture
 def every_item(request) -> bool:
     """Whether a test that sweeps a whole shipped pool takes every item (the full run, as CI runs it) or a sample (the
@@ -115,11 +143,15 @@ def tiny_params():
 def tiny_model(tmp_path_factory, tiny_params) -> Path:
     """A tiny Llama checkpoint (safetensors + tokenizer) trained by the reference stage's own code."""
     from pipelines import reference
+    from tests.content_cache import cached
+
+    def build(folder: Path) -> Path:
+        reference.build(tiny_params, folder / "model", folder / "reference.json")
+        return folder / "model"
 
     os.chdir(ROOT)
-    out = tmp_path_factory.mktemp("tiny") / "model"
-    reference.build(tiny_params, out, out.parent / "reference.json")
-    return out
+    return cached(tmp_path_factory, "tiny_model", build, code=["reference"], helpers=["tests/conftest.py"],
+                  settings=TINY_REFERENCE)
 
 
 @pytest.fixture(scope="session")
@@ -129,12 +161,16 @@ def tiny_calibration(tmp_path_factory, tiny_model) -> Path:
 
     from pipelines import calibrate
     from pipelines.core.params_sections import CalibrationParams, CoverageParams
+    from tests.content_cache import cached
+
+    def build(folder: Path) -> Path:
+        calibrate.run(CalibrationParams(samples=32, max_tokens=96), CoverageParams(),
+                      AutoTokenizer.from_pretrained(tiny_model), "tiny", folder / "built", folder / "coverage")
+        return folder / "built"
 
     os.chdir(ROOT)
-    out = tmp_path_factory.mktemp("calib")
-    calibrate.run(CalibrationParams(samples=32, max_tokens=96), CoverageParams(),
-                  AutoTokenizer.from_pretrained(tiny_model), "tiny", out / "built", out / "coverage")
-    return out / "built"
+    return cached(tmp_path_factory, "tiny_calibration", build, code=["calibrate"], helpers=["tests/conftest.py"],
+                  inputs=[tiny_model.parent])
 
 
 @pytest.fixture(scope="session")
@@ -144,32 +180,47 @@ def tiny_variants(tmp_path_factory, tiny_model, tiny_calibration) -> dict[str, P
     from pipelines.core import logs
     from pipelines.core.params_sections import DEFAULT_VARIANTS
     from pipelines.models.loading import ModelSource
+    from tests.content_cache import cached
+
+    def build(folder: Path) -> dict[str, Path]:
+        source = ModelSource("local", str(tiny_model))
+        for name, settings in DEFAULT_VARIANTS.items():
+            manifest, _ = quantize.quantize_variant(name, settings, source, tiny_calibration, "cpu", folder)
+            assert manifest["status"] == "ok", manifest.get("error")
+        return {name: folder / name for name in DEFAULT_VARIANTS}
 
     logs.setup(log_file=tmp_path_factory.mktemp("logs") / "quantgate.log")
-    root = tmp_path_factory.mktemp("variants")
-    source = ModelSource("local", str(tiny_model))
-    for name, settings in DEFAULT_VARIANTS.items():
-        manifest, _ = quantize.quantize_variant(name, settings, source, tiny_calibration, "cpu", root)
-        assert manifest["status"] == "ok", manifest.get("error")
-    return {name: root / name for name in DEFAULT_VARIANTS}
+    return cached(tmp_path_factory, "tiny_variants", build, code=["quantize"], helpers=["tests/conftest.py"],
+                  inputs=[tiny_model.parent, tiny_calibration.parent], settings=DEFAULT_VARIANTS)
 
 
 @pytest.fixture(scope="session")
 def log_evidence(tmp_path_factory, tiny_variants):
     """fp16's baseline and int8 evaluated here, and int8's and fp16's lm-eval sample logs written by the real
-    `lm_eval` command (tests/test_sample_logs.py, tests/test_baseline_log.py)."""
+    `lm_eval` command (tests/test_sample_logs.py, tests/test_baseline_log.py); kept by content (tests/content_cache.py).
+    `tmp` is this session's own folder, for edited copies of the logs."""
     from pipelines.evaluation import harness
     from pipelines.evaluation.plans import by_id, correctness, probe_plans
+    from tests.content_cache import cached
     from tests.sample_log_helpers import COMPARE, DOMAINS, P, lm_eval_log
 
-    tmp = tmp_path_factory.mktemp("sample_logs")
     plan = probe_plans(DOMAINS, P)
-    base_result, base_items = harness.evaluate_variant(str(tiny_variants["fp16"]), plan, P, "cpu", tmp / "base.st")
-    answers = {d: correctness(by_id(base_items, d)) for d in DOMAINS}
-    int8 = harness.evaluate_variant(str(tiny_variants["int8"]), plan, P, "cpu", tmp / "base.st", answers, COMPARE)
-    logs = {name: lm_eval_log(tiny_variants[name], tmp / f"{name}-log", plan, ROOT, P.batch_size)
-            for name in ("int8", "fp16")}
-    return {"plan": plan, "base": (base_result, base_items), "int8": int8, "logs": logs, "tmp": tmp}
+
+    def build(folder: Path) -> dict:
+        base_result, base_items = harness.evaluate_variant(str(tiny_variants["fp16"]), plan, P, "cpu",
+                                                           folder / "base.st")
+        answers = {d: correctness(by_id(base_items, d)) for d in DOMAINS}
+        int8 = harness.evaluate_variant(str(tiny_variants["int8"]), plan, P, "cpu", folder / "base.st", answers,
+                                        COMPARE)
+        logs = {name: lm_eval_log(tiny_variants[name], folder / f"{name}-log", plan, ROOT, P.batch_size)
+                for name in ("int8", "fp16")}
+        return {"base": (base_result, base_items), "int8": int8, "logs": logs}
+
+    evidence = cached(tmp_path_factory, "log_evidence", build, code=["evaluation.harness", "evaluation.plans"],
+                      helpers=["tests/conftest.py", "tests/sample_log_helpers.py"],
+                      inputs=[next(iter(tiny_variants.values())).parent],
+                      settings=[DOMAINS, P.model_dump(), COMPARE.model_dump()])
+    return {**evidence, "plan": plan, "tmp": tmp_path_factory.mktemp("sample_logs")}
 
 
 # ---- third-party checkpoints for the admission tests (tests/test_checkpoints_*.py), built once per session

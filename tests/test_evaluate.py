@@ -25,19 +25,32 @@ def plans_for(domains, p=P):
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, tiny_variants):
-    """fp16 answers every look (8 items per domain) and writes the fidelity base."""
-    base_path = tmp_path_factory.mktemp("fid") / "base.safetensors"
-    result, items = harness.evaluate_variant(str(tiny_variants["fp16"]), plans_for(DOMAINS), P, "cpu", base_path)
-    return base_path, result, items
+def evaluated(tmp_path_factory, tiny_variants):
+    """fp16 answers every look (8 items per domain) and writes the fidelity base; gptq3 is evaluated against it. Kept
+    by content (tests/content_cache.py); whether bubblewrap runs here decides the code items, so it is part of it."""
+    from tests.content_cache import cached
+
+    def build(folder) -> dict:
+        base_path = folder / "base.safetensors"
+        result, items = harness.evaluate_variant(str(tiny_variants["fp16"]), plans_for(DOMAINS), P, "cpu", base_path)
+        answers = {d: correctness(by_id(items, d)) for d in DOMAINS}
+        gptq3 = harness.evaluate_variant(str(tiny_variants["gptq3"]), plans_for(DOMAINS), P, "cpu", base_path, answers,
+                                         CompareParams())
+        return {"baseline": (base_path, result, items), "gptq3": gptq3}
+
+    return cached(tmp_path_factory, "evaluate_tiny", build, code=["evaluation.harness"],
+                  helpers=["tests/test_evaluate.py"], inputs=[next(iter(tiny_variants.values())).parent],
+                  settings=[P.model_dump(), CompareParams().model_dump(), sandbox.isolation_available()])
 
 
 @pytest.fixture(scope="module")
-def gptq3(tiny_variants, baseline):
-    base_path, _, base_items = baseline
-    answers = {d: correctness(by_id(base_items, d)) for d in DOMAINS}
-    return harness.evaluate_variant(str(tiny_variants["gptq3"]), plans_for(DOMAINS), P, "cpu", base_path, answers,
-                                     CompareParams())
+def baseline(evaluated):
+    return evaluated["baseline"]
+
+
+@pytest.fixture(scope="module")
+def gptq3(evaluated):
+    return evaluated["gptq3"]
 
 
 def test_the_baseline_answers_every_look(baseline):

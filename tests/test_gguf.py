@@ -31,9 +31,13 @@ def shipped() -> gguf.GgufFile:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, shipped) -> Path:
     """models/reference as the reference stage writes it from the shipped GGUF (in its own process)."""
-    root = tmp_path_factory.mktemp("gguf")
-    gguf.build_reference(SPEC, root / "reference", root / "reference.json", timeout=900)
-    return root
+    from tests.content_cache import cached
+
+    def build(root: Path) -> Path:
+        gguf.build_reference(SPEC, root / "reference", root / "reference.json", timeout=900)
+        return root
+
+    return cached(tmp_path_factory, "gguf_reference", build, code=["models.gguf"], helpers=["tests/test_gguf.py"])
 
 
 def test_the_packaged_file_is_found_and_vouched_for_by_its_record(shipped):
@@ -45,21 +49,43 @@ def test_the_packaged_file_is_found_and_vouched_for_by_its_record(shipped):
     assert resolve_model(SPEC).kind == "gguf" and resolve_model(SPEC).location == "models/reference"
 
 
-def test_the_reference_stage_loader_gives_transformers_own_gguf_logits(built, shipped):
+@pytest.fixture(scope="module")
+def transformers_own(tmp_path_factory, shipped) -> dict[str, torch.Tensor]:
+    """transformers loading the GGUF itself (float32): each text's token ids and logits, kept by the file, the text and
+    the installed libraries (tests/content_cache.py; no quantgate code runs here)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.content_cache import cached
+
+    def build(folder: Path) -> Path:
+        theirs = AutoModelForCausalLM.from_pretrained(shipped.path.parent, gguf_file=shipped.path.name,
+                                                      dtype=torch.float32).eval()
+        theirs_tok = AutoTokenizer.from_pretrained(shipped.path.parent, gguf_file=shipped.path.name)
+        out = {}
+        for n, text in enumerate(TEXTS):
+            out[f"ids{n}"] = theirs_tok(text, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                out[f"logits{n}"] = theirs(out[f"ids{n}"]).logits[0].contiguous()
+        save_file(out, folder / "theirs.safetensors")
+        return folder / "theirs.safetensors"
+
+    return load_file(cached(tmp_path_factory, "gguf_transformers_logits", build, helpers=["tests/test_gguf.py"],
+                            inputs=[shipped.path], settings=TEXTS))
+
+
+def test_the_reference_stage_loader_gives_transformers_own_gguf_logits(built, transformers_own):
     """The checkpoint every later stage reads (float16 safetensors) against transformers loading the GGUF itself
     (float32): the same tokens, the same next-token choices, logits within float16 storage's rounding."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ours = AutoModelForCausalLM.from_pretrained(built / "reference", dtype=torch.float32).eval()
     ours_tok = AutoTokenizer.from_pretrained(built / "reference")
-    theirs = AutoModelForCausalLM.from_pretrained(shipped.path.parent, gguf_file=shipped.path.name,
-                                                  dtype=torch.float32).eval()
-    theirs_tok = AutoTokenizer.from_pretrained(shipped.path.parent, gguf_file=shipped.path.name)
-    for text in TEXTS:
+    for n, text in enumerate(TEXTS):
         ids = ours_tok(text, return_tensors="pt")["input_ids"]
-        assert ids.tolist() == theirs_tok(text, return_tensors="pt")["input_ids"].tolist()
+        assert ids.tolist() == transformers_own[f"ids{n}"].tolist()
         with torch.no_grad():
-            a, b = ours(ids).logits[0], theirs(ids).logits[0]
+            a, b = ours(ids).logits[0], transformers_own[f"logits{n}"]
         assert torch.equal(a.argmax(-1), b.argmax(-1))
         assert (a - b).abs().max().item() < 0.1  # measured 0.035: the float16 rounding of the dequantized weights
         kl = (b.log_softmax(-1).exp() * (b.log_softmax(-1) - a.log_softmax(-1))).sum(-1)
@@ -79,15 +105,15 @@ def test_the_reference_records_the_source_and_says_what_the_baseline_is(built, s
     assert "quantization_config" not in config and config["num_hidden_layers"] == 30
 
 
-def test_the_mlflow_parent_run_names_the_file_and_what_the_baseline_is(built):
+def test_the_mlflow_parent_run_names_the_file_and_what_the_baseline_is(built, tmp_path):
     from pipelines.record import model_source_tags
 
-    (built / "results").mkdir(exist_ok=True)
-    (built / "results" / "reference.json").write_text((built / "reference.json").read_text())
-    tags = model_source_tags(built)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "reference.json").write_text((built / "reference.json").read_text())
+    tags = model_source_tags(tmp_path)
     assert tags["model.file"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and len(tags["model.sha256"]) == 64
     assert "Q4_1" in tags["model.baseline"]
-    assert model_source_tags(built / "nowhere") == {}
+    assert model_source_tags(tmp_path / "nowhere") == {}
 
 
 def test_a_replaced_file_is_named_as_changed_since_the_reference_was_built(tmp_path):

@@ -227,14 +227,25 @@ def write_params(project: Path, quantize_timeout: int | None = None, evaluate_ti
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, tiny_model) -> Path:
-    """A project folder where fp16 and int8 were quantized and fp16 evaluated, each through its isolated stage."""
-    root = tmp_path_factory.mktemp("isolated-project")
-    (root / "base").symlink_to(tiny_model)
-    (root / "eval").symlink_to(ROOT / "eval")  # the probes; lm-eval reads their data relative to the cwd
+    """A project folder where fp16 and int8 were quantized and fp16 evaluated, each through its isolated stage: a copy
+    (the tests below write into it) of the one kept by content (tests/content_cache.py)."""
+    import shutil
+
+    from tests.content_cache import cached
+
+    def build(root: Path) -> Path:
+        (root / "base").symlink_to(tiny_model)
+        (root / "eval").symlink_to(ROOT / "eval")  # the probes; lm-eval reads their data relative to the cwd
+        write_params(root)
+        for args in (("quantize", "fp16"), ("quantize", "int8"), ("baseline",)):
+            code, err = finish(stage(root, *args))
+            assert code == 0, err
+        return root
+
+    built = cached(tmp_path_factory, "isolated_project", build, code=["cli", "quantize", "baseline"],
+                   helpers=["tests/test_isolation.py"], inputs=[tiny_model.parent])
+    root = shutil.copytree(built, tmp_path_factory.mktemp("isolated-project") / "project", symlinks=True)
     write_params(root)
-    for args in (("quantize", "fp16"), ("quantize", "int8"), ("baseline",)):
-        code, err = finish(stage(root, *args))
-        assert code == 0, err
     return root
 
 

@@ -19,9 +19,34 @@ FAST = MemoryParams(seq_fractions=[0.25, 0.5, 1.0], warmup_rounds=1, rounds=10, 
                     alternations=2, burst_size=2, trace_rounds=0)
 
 
+# the soaks on the tiny variants, measured once for the content they depend on (tests/content_cache.py): each clean
+# variant, and the injected leaks the tests below judge
+LEAKS = {"traced": {"variant": "fp16", "leak_bytes_per_round": 4 << 20, "trace": True},
+         "small": {"variant": "int8", "leak_bytes_per_round": 64 << 10},
+         "warm_up": {"variant": "int8", "leak_bytes_per_round": 64 << 10, "leak_rounds": 8}}
+
+
 @pytest.fixture(scope="module")
-def measured(tiny_variants):
-    return {name: memory.measure_isolated(str(path), FAST, "cpu") for name, path in tiny_variants.items()}
+def soaks(tiny_variants, tmp_path_factory):
+    from tests.content_cache import cached
+
+    def build(_folder) -> dict:
+        out = {name: memory.measure_isolated(str(path), FAST, "cpu") for name, path in tiny_variants.items()}
+        for name, leak in LEAKS.items():
+            # with the tracer (24 rounds, the default) where it says so: a leak the growth rule flags, the tracer confirms
+            p = FAST.model_copy(update={"trace_rounds": MemoryParams().trace_rounds}) if leak.get("trace") else FAST
+            out[name] = memory.measure_isolated(str(tiny_variants[leak["variant"]]), p, "cpu",
+                                                leak_bytes_per_round=leak["leak_bytes_per_round"],
+                                                leak_rounds=leak.get("leak_rounds"))
+        return out
+
+    return cached(tmp_path_factory, "memory_soaks", build, code=["memory"], helpers=["tests/test_memory.py"],
+                  inputs=[next(iter(tiny_variants.values())).parent], settings=[FAST.model_dump(), LEAKS])
+
+
+@pytest.fixture(scope="module")
+def measured(soaks, tiny_variants):
+    return {name: soaks[name] for name in tiny_variants}
 
 
 def test_every_variant_measured_with_the_same_shape(measured):
@@ -54,30 +79,28 @@ def test_clean_workload_is_not_a_leak(measured):
         assert r["leak"]["leak"] is False, (name, r["leak"]["reason"])
 
 
-def test_deliberate_leak_is_flagged(tiny_variants):
-    # with the tracer (24 rounds, the default): a leak the growth rule flags, and the tracer confirms
-    traced = FAST.model_copy(update={"trace_rounds": MemoryParams().trace_rounds})
-    r = memory.measure_isolated(str(tiny_variants["fp16"]), traced, "cpu", leak_bytes_per_round=4 << 20)
+def test_deliberate_leak_is_flagged(soaks):
+    r = soaks["traced"]
     assert r["leak"]["leak"] is True
     assert r["soak"]["growth_bytes_per_round"] == pytest.approx(4 << 20, rel=0.1)
     assert len(r["soak"]["rounds"]) == FAST.max_rounds  # it kept growing, so the soak ran as long as allowed
     assert r["soak"]["warmup_end_round"] is None
 
 
-def test_a_small_leak_that_keeps_growing_to_the_last_round_is_flagged(tiny_variants):
+def test_a_small_leak_that_keeps_growing_to_the_last_round_is_flagged(soaks):
     """64 KiB a round: a fraction of a percent of an fp16 7B model a day, on the tiny model's 200 KB a leak."""
-    r = memory.measure_isolated(str(tiny_variants["int8"]), FAST, "cpu", leak_bytes_per_round=64 << 10)
+    r = soaks["small"]
     assert r["leak"]["leak"] is True and r["leak"]["growth_bytes_per_round"] == pytest.approx(64 << 10, rel=0.2)
 
 
-def test_warm_up_that_plateaus_is_not_growth(tiny_variants):
+def test_warm_up_that_plateaus_is_not_growth(soaks):
     """The int8 pattern on the reference model: growth for a number of rounds, then flat (caches filling)."""
-    r = memory.measure_isolated(str(tiny_variants["int8"]), FAST, "cpu", leak_bytes_per_round=64 << 10, leak_rounds=8)
+    r = soaks["warm_up"]
     assert r["leak"]["leak"] is False, r["leak"]["reason"]
     assert r["soak"]["growth_last_minus_first"] >= 6 * (64 << 10)  # it did grow during the warm-up ...
     assert r["leak"]["growth_bytes_per_round"] == 0  # ... and then settled
     assert 6 <= r["soak"]["warmup_end_round"] <= 10 and len(r["soak"]["rounds"]) >= r["soak"]["warmup_end_round"] + 6
-    summary = verdict.summarize({"fp16": memory.measure_isolated(str(tiny_variants["fp16"]), FAST, "cpu"), "int8": r}, FAST)
+    summary = verdict.summarize({"fp16": soaks["fp16"], "int8": r}, FAST)
     assert summary["variants"]["int8"]["growth_excess_pct"] == 0
 
 

@@ -23,16 +23,32 @@ FAST = MemoryParams(seq_fractions=[0.5, 1.0], warmup_rounds=1, rounds=10, max_ro
 
 
 @pytest.fixture(scope="module")
-def clean(tiny_variants, tmp_path_factory):
-    out = tmp_path_factory.mktemp("clean-trace")
-    return memory.measure_isolated(str(tiny_variants["fp16"]), FAST, "cpu", trace_dir=str(out)), out
+def traced(tiny_variants, tmp_path_factory):
+    """The soaks below, each with its tracer's folder, measured once for the content they depend on
+    (tests/content_cache.py): fp16 clean, int8 leaking, and int8 growing until two traced rounds in (a cache)."""
+    from tests.content_cache import cached
+
+    def build(folder) -> dict:
+        out = {}
+        for name, variant, leak, rounds in (("clean", "fp16", 0, None), ("leaking", "int8", LEAK, None),
+                                            ("cache", "int8", LEAK, FAST.max_rounds + 2)):
+            (folder / name).mkdir()
+            out[name] = (memory.measure_isolated(str(tiny_variants[variant]), FAST, "cpu", leak_bytes_per_round=leak,
+                                                 leak_rounds=rounds, trace_dir=str(folder / name)), folder / name)
+        return out
+
+    return cached(tmp_path_factory, "memory_traces", build, code=["memory"], helpers=["tests/test_memory_attribution.py"],
+                  inputs=[next(iter(tiny_variants.values())).parent], settings=[FAST.model_dump(), LEAK])
 
 
 @pytest.fixture(scope="module")
-def leaking(tiny_variants, tmp_path_factory):
-    out = tmp_path_factory.mktemp("leak-trace")
-    return memory.measure_isolated(str(tiny_variants["int8"]), FAST, "cpu", leak_bytes_per_round=LEAK,
-                                   trace_dir=str(out)), out
+def clean(traced):
+    return traced["clean"]
+
+
+@pytest.fixture(scope="module")
+def leaking(traced):
+    return traced["leaking"]
 
 
 def test_a_clean_soak_pays_nothing(clean):
@@ -64,11 +80,10 @@ def test_the_injected_leak_is_traced_to_the_injecting_function(leaking):
     assert line.startswith("int8 grows 0.0") and "a leak:" in line and "after_round" in line
 
 
-def test_growth_that_stops_under_the_tracer_is_a_bounded_cache(tiny_variants, tmp_path, clean):
+def test_growth_that_stops_under_the_tracer_is_a_bounded_cache(traced, clean):
     """Grows through the whole soak (so it is traced), stops two traced rounds later: a cache whose final size is
     what was injected, judged as growth against fp16 and not as a leak."""
-    r = memory.measure_isolated(str(tiny_variants["int8"]), FAST, "cpu", leak_bytes_per_round=LEAK,
-                                leak_rounds=FAST.max_rounds + 2, trace_dir=str(tmp_path))
+    r = traced["cache"][0]
     cause = r["growth_cause"]
     assert cause["class"] == "cache", cause
     assert cause["stopped_at_traced_round"] <= 3

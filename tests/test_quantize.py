@@ -16,14 +16,24 @@ PROMPT = "47+38=85\nCustomer: I want a refund for order 12345.\nAgent: I am sorr
 
 
 @pytest.fixture(scope="module")
-def logits(tiny_variants):
-    out = {}
-    for name, path in tiny_variants.items():
-        model, tok = load_variant(path)
-        ids = tok(PROMPT, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out[name] = model(ids).logits.float()[0]
-    return out
+def logits(tiny_variants, tmp_path_factory):
+    """Each variant's logits on PROMPT, loaded as the stages load it; kept by content (tests/content_cache.py)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.content_cache import cached
+
+    def build(folder):
+        out = {}
+        for name, path in tiny_variants.items():
+            model, tok = load_variant(path)
+            ids = tok(PROMPT, return_tensors="pt").input_ids
+            with torch.no_grad():
+                out[name] = model(ids).logits.float()[0].contiguous()
+        save_file(out, folder / "logits.safetensors")
+        return folder / "logits.safetensors"
+
+    return load_file(cached(tmp_path_factory, "variant_logits", build, code=["models.loading"],
+                            helpers=["tests/test_quantize.py"], inputs=[next(iter(tiny_variants.values())).parent]))
 
 
 def relative_error(a, b) -> float:
@@ -220,3 +230,15 @@ def test_duo_scaling_belongs_to_autoawq():
         VariantParams(method="gptq", bits=3, duo_scaling=False)
     with pytest.raises(ValueError, match="needs backend autoawq"):
         VariantParams(method="awq", bits=4, duo_scaling=False, backend="gptqmodel")
+
+
+def test_gptq_on_a_cpu_runs_eager_and_builds_no_kernel(tiny_variants):
+    """GPTQModel's CPU kernel would hand its dequantization to inductor, which builds C++ at the first forward (a
+    compiler needed at run time, seconds of building in every loading process): the loader runs it eager."""
+    from torch._dynamo.utils import counters
+
+    model, tok = load_variant(tiny_variants["gptq3"])
+    graphs = counters["stats"]["unique_graphs"]  # (the process's count: whatever ran before in this worker)
+    with torch.no_grad():
+        model(tok(PROMPT, return_tensors="pt").input_ids)
+    assert torch._dynamo.config.disable and counters["stats"]["unique_graphs"] == graphs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,15 +58,20 @@ def variants(tmp_path_factory, tiny_model):
     from pipelines.core.params_sections import DEFAULT_VARIANTS
     from pipelines.models.loading import ModelSource
 
-    root = tmp_path_factory.mktemp("shadow_variants")
-    manifest, _ = quantize.quantize_variant("fp16", DEFAULT_VARIANTS["fp16"], ModelSource("local", str(tiny_model)),
-                                            tmp_path_factory.mktemp("unused"), "cpu", root)
-    assert manifest["status"] == "ok", manifest.get("error")
-    _copy(root / "fp16", root / "same")
-    _copy(root / "fp16", root / "noisy", noise=1.5)  # 0.5 moved none of the undertrained tiny model's 16 tokens
-    _copy(root / "fp16", root / "broken", broken=True)
-    _copy(root / "fp16", root / "crashes", vocab=4)
-    return root
+    from tests.content_cache import cached
+
+    def build(root: Path) -> Path:
+        manifest, _ = quantize.quantize_variant("fp16", DEFAULT_VARIANTS["fp16"], ModelSource("local", str(tiny_model)),
+                                                tmp_path_factory.mktemp("unused"), "cpu", root)
+        assert manifest["status"] == "ok", manifest.get("error")
+        _copy(root / "fp16", root / "same")
+        _copy(root / "fp16", root / "noisy", noise=1.5)  # 0.5 moved none of the undertrained tiny model's 16 tokens
+        _copy(root / "fp16", root / "broken", broken=True)
+        _copy(root / "fp16", root / "crashes", vocab=4)
+        return root
+
+    return cached(tmp_path_factory, "shadow_variants", build, code=["quantize"], helpers=["tests/test_shadow.py"],
+                  inputs=[tiny_model.parent])
 
 
 def _params(log, **shadow_settings) -> Params:
@@ -87,11 +93,16 @@ def _passed(*names):
 
 @pytest.fixture(scope="module")
 def replayed(tmp_path_factory, variants):
-    out = tmp_path_factory.mktemp("shadow_out")
-    log = _log(out / "traffic.jsonl", REQUESTS)
-    report = shadow.run(_params(log), _passed("same", "noisy", "broken", "crashes"), variants, "cpu", out / "shadow.json",
-                        out / "metrics.json", out / "shadow", out / "plots")
-    return report, out
+    from tests.content_cache import cached
+
+    def build(out: Path) -> tuple:
+        log = _log(out / "traffic.jsonl", REQUESTS)
+        report = shadow.run(_params(log), _passed("same", "noisy", "broken", "crashes"), variants, "cpu",
+                            out / "shadow.json", out / "metrics.json", out / "shadow", out / "plots")
+        return report, out
+
+    return cached(tmp_path_factory, "shadow_replayed", build, code=["shadow"], helpers=["tests/test_shadow.py"],
+                  inputs=[variants])
 
 
 def test_fp16_against_itself_agrees_exactly(replayed):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from mlflow import MlflowClient
 
 from pipelines import record
@@ -59,3 +60,36 @@ def test_a_fresh_lock_of_a_dead_process_on_this_machine_is_taken_over_at_once(tm
     began = time.time()
     summary = record_into(built, uri, tmp_path)
     assert summary["status"] == "recorded" and time.time() - began < store_client.LOCK_STALE_S / 10
+
+
+def test_a_lock_released_while_mlflow_reports_the_clash_is_taken_at_the_next_try(tmp_path, monkeypatch):
+    """MLflow's SQL store answers a clash by looking the holder up; released in that moment, the lookup says the
+    model does not exist (RESOURCE_DOES_NOT_EXIST, not ALREADY_EXISTS): the lock is free, so it is tried again."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    real, calls = client.create_registered_model, []
+
+    def released_in_between(name, **kwargs):
+        calls.append(name)
+        if len(calls) == 1:
+            raise MlflowException(f"Registered Model with name={name} not found", RESOURCE_DOES_NOT_EXIST)
+        return real(name, **kwargs)
+
+    monkeypatch.setattr(client, "create_registered_model", released_in_between)
+    with store_client.recording_lock(client, "ab" * 32) as name:
+        assert len(calls) == 2 and client.get_registered_model(name).name == name
+    assert client.search_registered_models() == []
+    # and a store that keeps answering so is no race: its own error stands, after a few tries
+
+    def never_there(name, **kwargs):
+        calls.append(name)
+        raise MlflowException("no registry here", RESOURCE_DOES_NOT_EXIST)
+
+    monkeypatch.setattr(client, "create_registered_model", never_there)
+    calls.clear()
+    with pytest.raises(MlflowException, match="no registry here"):
+        with store_client.recording_lock(client, "cd" * 32):
+            pass
+    assert len(calls) == 6

@@ -251,6 +251,16 @@ def weights_on_disk(location: str | Path) -> int:
     return sum(f.stat().st_size for f in Path(location).glob("*.safetensors"))
 
 
+def _eager_gptq_on_cpu() -> None:
+    """GPTQModel's CPU kernel (TorchQuantLinear) hands its dequantization to torch.compile, and inductor builds C++ for
+    it at the first forward: a compiler needed where it runs, 5-20 s of building in every process that loads the
+    checkpoint, and the build's allocations inside the memory stage's first rounds. Eager runs the same dequantization
+    unfused; quantgate compiles nothing else, so this loading process turns torch.compile off."""
+    import torch
+
+    torch._dynamo.config.disable = True
+
+
 def load_variant(variant_dir: str | Path, device: str = "cpu", max_memory: dict | None = None):
     """(model, tokenizer) for any variant or admitted candidate, in eval mode, on `device`.
 
@@ -284,6 +294,9 @@ def load_variant(variant_dir: str | Path, device: str = "cpu", max_memory: dict 
     with library_output(method), library_call("load checkpoint"):
         if method == "gptq":  # transformers needs optimum for GPTQ; GPTQModel loads its own format
             from gptqmodel import GPTQModel
+
+            if device == "cpu":
+                _eager_gptq_on_cpu()
 
             model = GPTQModel.load(location, device=device, dtype=dtype_of(manifest["dtype"])).model
         elif method == "none":

@@ -79,12 +79,18 @@ def recording_lock(client: MlflowClient, digest: str) -> Iterator[str]:
 
     name = RECORDING_LOCK + digest[:16]
     holder = f"{socket.gethostname()}:{os.getpid()}"
+    released_meanwhile = 0
     while True:
         try:
             client.create_registered_model(name, tags={"heartbeat": str(time.time()), "holder": holder},
                                            description="quantgate: a `record` of these results is running (removed when it ends)")
             break
         except MlflowException as err:
+            # MLflow's SQL store answers a clash by looking the holder up: released in that moment, the lookup finds
+            # nothing. Try again, a few times (more in a row is no race: then the store's own error stands)
+            if err.error_code == "RESOURCE_DOES_NOT_EXIST" and released_meanwhile < 5:
+                released_meanwhile += 1
+                continue
             if err.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
         try:
