@@ -86,7 +86,7 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    if not os.environ.get("PYTEST_XDIST_WORKER") and _FAILED_ENTRIES:  # the whole run is over: nobody reads them now
+    if not hasattr(session.config, "workerinput") and _FAILED_ENTRIES:  # the main process: the whole run is over
         from tests.content_cache import forget
 
         forget(_FAILED_ENTRIES)

@@ -100,7 +100,8 @@ def test_what_a_failed_test_read_is_built_anew_next_run(tmp_path):
         "    return cached(tmp_path_factory, 'flaky', lambda folder: 2)\n\n"
         "def test_passes(kept):\n    assert kept == 1\n\n"
         "def test_fails(flaky):\n    assert flaky == 3\n")
-    env = {**os.environ, "QUANTGATE_TEST_CACHE": str(tmp_path / "kept-between-runs")}
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},  # its own main process
+           "QUANTGATE_TEST_CACHE": str(tmp_path / "kept-between-runs")}
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:xdist", "-p",
                            "no:cacheprovider", "-q", str(tmp_path / "test_reads.py")], cwd=content_cache.ROOT, env=env,
                           capture_output=True, text=True)

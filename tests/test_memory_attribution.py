@@ -97,26 +97,40 @@ def test_growth_that_stops_under_the_tracer_is_a_bounded_cache(traced, clean):
     assert row["growth_excess_pct"] == pytest.approx(100 * cause["size_bytes"] / clean[0]["load"]["footprint_bytes"])
 
 
-def test_native_growth_inside_the_forward_is_traced_to_its_caller(tiny_variants, tmp_path):
+@pytest.fixture(scope="module")
+def hooked(tiny_variants, tmp_path_factory):
+    """int8 in this process with a forward hook that keeps a copy of every output, soaked and traced; kept by content
+    (tests/content_cache.py) as the soaks above are."""
+    from pipelines.models.loading import load_variant
+    from tests.content_cache import cached
+
+    def build(folder) -> dict:
+        model, _ = load_variant(str(tiny_variants["int8"]), "cpu")
+        kept = []
+
+        def keep_output(_module, _inputs, output):
+            kept.append(output.detach().clone())
+
+        model.model.layers[0].mlp.register_forward_hook(keep_output)
+        probe = probes.make_probe("cpu")
+        context = min(model.config.max_position_embeddings, 128)
+        try:
+            soaked = phases.soak(model, probe, FAST, context, model.config.vocab_size, "cpu")
+            cause = attribution.explain(model, FAST, context, model.config.vocab_size, "cpu", soaked, folder) \
+                if soaked["growth_bytes_per_round"] > 0 else None
+        finally:
+            probe.close()
+        return {"growth_bytes_per_round": soaked["growth_bytes_per_round"], "cause": cause}
+
+    return cached(tmp_path_factory, "memory_hooked", build, code=["memory"], helpers=["tests/test_memory_attribution.py"],
+                  inputs=[next(iter(tiny_variants.values())).parent], settings=FAST.model_dump())
+
+
+def test_native_growth_inside_the_forward_is_traced_to_its_caller(hooked):
     """On this CPU int8 does not grow; a forward hook that keeps a copy of every output stands in for a kernel whose
     workspace cache grows: the top site is the hook, the native caller torch's clone."""
-    from pipelines.models.loading import load_variant
-
-    model, _ = load_variant(str(tiny_variants["int8"]), "cpu")
-    kept = []
-
-    def keep_output(_module, _inputs, output):
-        kept.append(output.detach().clone())
-
-    model.model.layers[0].mlp.register_forward_hook(keep_output)
-    probe = probes.make_probe("cpu")
-    context = min(model.config.max_position_embeddings, 128)
-    try:
-        soaked = phases.soak(model, probe, FAST, context, model.config.vocab_size, "cpu")
-        assert soaked["growth_bytes_per_round"] > 0
-        cause = attribution.explain(model, FAST, context, model.config.vocab_size, "cpu", soaked, tmp_path)
-    finally:
-        probe.close()
+    assert hooked["growth_bytes_per_round"] > 0
+    cause = hooked["cause"]
     assert cause["class"] == "leak", cause
     top = cause["sites"][0]
     assert top["frame"].startswith("keep_output (") and top["library"] == "test_memory_attribution.py"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,18 +101,28 @@ def code_runs(tmp_path_factory, tiny_model, code_files):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = tmp_path_factory.mktemp("code-model") / "model"
-    shutil.copytree(tiny_model, model_dir)
-    config = read_json(model_dir / "config.json")
-    write_json(model_dir / "config.json", {**config, "max_position_embeddings": 2048})
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    from tests.content_cache import cached
+
     params = code_params(code_files, allow_unisolated_code=True)  # isolated where it can be; it runs either way
     plans = probe_plans(params.domains, params)
     configs = harness.task_configs(plans)
     requests = {"code:humaneval": list(range(len(HUMANEVAL))), "code:mbpp": list(range(len(MBPP)))}
-    return plans, configs, harness.run_probes(model, tokenizer, requests, params.batch_size, True, configs)
+
+    def build(folder) -> list:
+        model_dir = folder / "model"
+        shutil.copytree(tiny_model, model_dir)
+        config = read_json(model_dir / "config.json")
+        write_json(model_dir / "config.json", {**config, "max_position_embeddings": 2048})
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return harness.run_probes(model, tokenizer, requests, params.batch_size, True, configs)
+
+    # kept by content (tests/content_cache.py): the local files by their bytes, not the folder they are in this run
+    runs = cached(tmp_path_factory, "code_task_runs", build, code=["evaluation.harness"],
+                  helpers=["tests/test_standard_tasks.py"], inputs=[tiny_model.parent, *map(Path, code_files.values())],
+                  settings=[requests, params.batch_size])
+    return plans, configs, runs
 
 
 def test_code_tasks_are_recorded_per_item_and_scored_in_the_sandbox(code_runs):
