@@ -151,7 +151,7 @@ def tiny_model(tmp_path_factory, tiny_params) -> Path:
 
     os.chdir(ROOT)
     return cached(tmp_path_factory, "tiny_model", build, code=["reference"], helpers=["tests/conftest.py"],
-                  settings=TINY_REFERENCE)
+                  settings=TINY_REFERENCE, source=True)
 
 
 @pytest.fixture(scope="session")
@@ -170,7 +170,7 @@ def tiny_calibration(tmp_path_factory, tiny_model) -> Path:
 
     os.chdir(ROOT)
     return cached(tmp_path_factory, "tiny_calibration", build, code=["calibrate"], helpers=["tests/conftest.py"],
-                  inputs=[tiny_model.parent])
+                  inputs=[tiny_model.parent], source=True)
 
 
 @pytest.fixture(scope="session")
@@ -191,7 +191,7 @@ def tiny_variants(tmp_path_factory, tiny_model, tiny_calibration) -> dict[str, P
 
     logs.setup(log_file=tmp_path_factory.mktemp("logs") / "quantgate.log")
     return cached(tmp_path_factory, "tiny_variants", build, code=["quantize"], helpers=["tests/conftest.py"],
-                  inputs=[tiny_model.parent, tiny_calibration.parent], settings=DEFAULT_VARIANTS)
+                  inputs=[tiny_model.parent, tiny_calibration.parent], settings=DEFAULT_VARIANTS, source=True)
 
 
 @pytest.fixture(scope="session")

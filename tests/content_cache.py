@@ -142,17 +142,19 @@ def _intact(pointer: Path) -> tuple[Path, Any] | None:
         changed = sorted(set(now.items()) ^ {(k, tuple(v)) for k, v in manifest["files"].items()})
         warnings.warn(f"content cache: {folder.name} is built again: {changed[0][0]} changed since it was built")
         return None
-    os.utime(pointer)  # used: not an old entry to clear (cached())
+    os.utime(pointer)  # used: neither is an old entry to clear (_clear_unused)
+    os.utime(folder)
     return folder, manifest["value"]
 
 
 def cached(tmp_path_factory, name: str, build: Callable[[Path], Any], *, code: Iterable[str] = (),
-           helpers: Iterable[str] = (), inputs: Iterable[Path] = (), settings: Any = None) -> Any:
+           helpers: Iterable[str] = (), inputs: Iterable[Path] = (), settings: Any = None, source: bool = False) -> Any:
     """build(folder)'s value (JSON, paths, tuples as lists), built into a folder of its own once for its content key.
 
     `code`: modules of pipelines/ the work runs ("memory", "evaluation.harness"), with what they import; `helpers`:
     files under tests/ whose code it runs, relative to the repository; `inputs`: folders or files it reads (another
-    entry's folder counts as that build: a rebuilt input rebuilds what was made from it).
+    entry's folder counts as that build: a rebuilt input rebuilds what was made from it); `source`: other entries are
+    made from this one (the tiny model's chain), so a failed test that read it does not forget it (entries_of()).
 
     An entry is never changed or removed in place: a rebuild goes to a new folder and the pointer
     (`<name>-<key>.json`, written last) moves to it, so another worker or run still reading the old one keeps it."""
@@ -161,14 +163,14 @@ def cached(tmp_path_factory, name: str, build: Callable[[Path], Any], *, code: I
     key = content_key(name, code, helpers, inputs, settings)[:20]
     root = kept_between_runs() or (tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER")
                                    else tmp_path_factory.getbasetemp()) / "content-cache"
-    pointer = ENTRY_OF_FIXTURE[(fixture.f_globals["__name__"], fixture.f_code.co_name)] = root / f"{name}-{key}.json"
+    pointer = root / f"{name}-{key}.json"
+    if not source:
+        ENTRY_OF_FIXTURE[(fixture.f_globals["__name__"], fixture.f_code.co_name)] = pointer
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(pointer) + ".lock"):
         if found := _intact(pointer):
             return _decode(found[1], found[0])
-        for old in root.glob(f"{name}-*.*/"):  # the name's builds no pointer names, a week old (older code, rebuilt)
-            if old.is_dir() and time.time() - old.stat().st_mtime > STALE_AFTER_S and not _named(root, old.name):
-                shutil.rmtree(old, ignore_errors=True)
+        _clear_unused(root, name)
         folder = Path(tempfile.mkdtemp(prefix=f"{name}-{key}.", dir=root))
         value = _encode(build(folder), folder)
         atomic_write_text(pointer, json.dumps({"key": key, "folder": folder.name, "value": value,
@@ -176,20 +178,27 @@ def cached(tmp_path_factory, name: str, build: Callable[[Path], Any], *, code: I
     return _decode(value, folder)
 
 
-def _named(root: Path, folder: str) -> bool:
-    """Whether a pointer names this build."""
-    for pointer in root.glob("*.json"):
+def _clear_unused(root: Path, name: str) -> None:
+    """The name's pointers and builds nobody used for a week (older code's keys, forgotten builds): every reuse
+    touches both (_intact), so a build a run is reading is never this old."""
+    old = time.time() - STALE_AFTER_S
+    for pointer in root.glob(f"{name}-*.json"):
+        if pointer.stat().st_mtime < old:
+            pointer.unlink(missing_ok=True)
+    named = set()
+    for pointer in root.glob(f"{name}-*.json"):
         with contextlib.suppress(OSError, ValueError, KeyError):
-            if json.loads(pointer.read_text())["folder"] == folder:
-                return True
-    return False
+            named.add(json.loads(pointer.read_text())["folder"])
+    for build in root.glob(f"{name}-*.*/"):
+        if build.is_dir() and build.name not in named and build.stat().st_mtime < old:
+            shutil.rmtree(build, ignore_errors=True)
 
 
 def entries_of(item) -> list[str]:
-    """The entries a test's own fixtures read (the ones it asks for by name, not what those are built from: a failing
-    memory test forgets its soaks, not the tiny model)."""
+    """The entries a test read through its fixtures, those its fixtures are built from included, but not a `source`
+    (the tiny model's chain: a failing memory test forgets its soaks, not the model they were measured on)."""
     found = []
-    for name in item._fixtureinfo.argnames:
+    for name in item.fixturenames:
         for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ())[-1:]:
             if (pointer := ENTRY_OF_FIXTURE.get((fixturedef.func.__module__, fixturedef.func.__name__))) is not None:
                 found.append(str(pointer))

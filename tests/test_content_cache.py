@@ -88,18 +88,20 @@ def test_off_keeps_entries_for_this_run_only(tmp_path_factory, monkeypatch):
 
 def test_what_a_failed_test_read_is_built_anew_next_run(tmp_path):
     """A measurement that came out wrong once (a flake) is not kept to fail every later run: the run's end takes the
-    entries its failed tests asked for out of the cache (not what those were built from); a passing test's stay."""
+    entries its failed tests read out of the cache, through any fixture, but not a source other entries are made
+    from (the tiny model's chain); a passing test's stay."""
     import subprocess
     import sys
 
     (tmp_path / "test_reads.py").write_text(
         "import pytest\nfrom tests.content_cache import cached\n\n"
         "@pytest.fixture(scope='session')\ndef kept(tmp_path_factory):\n"
-        "    return cached(tmp_path_factory, 'kept', lambda folder: 1)\n\n"
+        "    return cached(tmp_path_factory, 'kept', lambda folder: 1, source=True)\n\n"
         "@pytest.fixture(scope='session')\ndef flaky(tmp_path_factory, kept):\n"
         "    return cached(tmp_path_factory, 'flaky', lambda folder: 2)\n\n"
+        "@pytest.fixture\ndef passed_on(flaky):\n    return flaky\n\n"
         "def test_passes(kept):\n    assert kept == 1\n\n"
-        "def test_fails(flaky):\n    assert flaky == 3\n")
+        "def test_fails(passed_on):\n    assert passed_on == 3\n")
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},  # its own main process
            "QUANTGATE_TEST_CACHE": str(tmp_path / "kept-between-runs")}
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:xdist", "-p",
@@ -109,7 +111,7 @@ def test_what_a_failed_test_read_is_built_anew_next_run(tmp_path):
     def entries():
         return sorted(p.name.split("-")[0] for p in (tmp_path / "kept-between-runs").glob("*.json"))
 
-    assert entries() == ["kept"]  # test_fails asked for flaky (built from kept, which test_passes also read)
+    assert entries() == ["kept"]  # test_fails read flaky through passed_on; kept, a source, stays
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:xdist", "-p",
                            "no:cacheprovider", "-q", "-k", "passes", str(tmp_path / "test_reads.py")],
                           cwd=content_cache.ROOT, env=env, capture_output=True, text=True)
@@ -119,3 +121,19 @@ def test_what_a_failed_test_read_is_built_anew_next_run(tmp_path):
                            "no:cacheprovider", "-q", "-k", "fails", str(tmp_path / "test_reads.py")],
                           cwd=content_cache.ROOT, env=env, capture_output=True, text=True)
     assert "1 failed" in done.stdout and entries() == ["kept"], done.stdout + done.stderr
+
+
+def test_only_what_nobody_used_for_a_week_is_cleared(between_runs, tmp_path_factory):
+    """Every reuse touches the pointer and its build, so a build a run is reading is never old enough to clear."""
+    built: list[Path] = []
+    root = between_runs / "kept"
+    cached(tmp_path_factory, "thing", _builder(built), settings=1)
+    cached(tmp_path_factory, "thing", _builder(built), settings=2)
+    week = content_cache.STALE_AFTER_S + 60
+    old_pointer = next(p for p in root.glob("thing-*.json") if built[0].name.startswith(p.stem))
+    for path in (old_pointer, built[0]):
+        os.utime(path, (path.stat().st_atime - week, path.stat().st_mtime - week))
+    cached(tmp_path_factory, "thing", _builder(built), settings=2)  # reused: touches the second build
+    assert built[0].exists()  # cleared only when the name builds again
+    cached(tmp_path_factory, "thing", _builder(built), settings=3)
+    assert not built[0].exists() and not old_pointer.exists() and built[1].exists() and len(built) == 3

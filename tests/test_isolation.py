@@ -245,6 +245,8 @@ def project(tmp_path_factory, tiny_model) -> Path:
     built = cached(tmp_path_factory, "isolated_project", build, code=["cli", "quantize", "baseline"],
                    helpers=["tests/test_isolation.py"], inputs=[tiny_model.parent])
     root = shutil.copytree(built, tmp_path_factory.mktemp("isolated-project") / "project", symlinks=True)
+    (root / "eval").unlink()  # this checkout's probes, whichever checkout built the entry
+    (root / "eval").symlink_to(ROOT / "eval")
     write_params(root)
     return root
 
