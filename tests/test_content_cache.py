@@ -104,22 +104,23 @@ def test_what_a_failed_test_read_is_built_anew_next_run(tmp_path):
         "def test_fails(passed_on):\n    assert passed_on == 3\n")
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")},  # its own main process
            "QUANTGATE_TEST_CACHE": str(tmp_path / "kept-between-runs")}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:xdist", "-p",
-                           "no:cacheprovider", "-q", str(tmp_path / "test_reads.py")], cwd=content_cache.ROOT, env=env,
-                          capture_output=True, text=True)
+
+    def run_tests(*select: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:xdist", "-p",
+                               "no:cacheprovider", "-q", *select, str(tmp_path / "test_reads.py")],
+                              cwd=content_cache.ROOT, env=env, capture_output=True, text=True)
+
+    done = run_tests()
     assert "1 failed, 1 passed" in done.stdout, done.stdout + done.stderr
+
     def entries():
         return sorted(p.name.split("-")[0] for p in (tmp_path / "kept-between-runs").glob("*.json"))
 
     assert entries() == ["kept"]  # test_fails read flaky through passed_on; kept, a source, stays
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:xdist", "-p",
-                           "no:cacheprovider", "-q", "-k", "passes", str(tmp_path / "test_reads.py")],
-                          cwd=content_cache.ROOT, env=env, capture_output=True, text=True)
+    done = run_tests("-k", "passes")
     assert "1 passed" in done.stdout, done.stdout + done.stderr
     assert entries() == ["kept"]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:xdist", "-p",
-                           "no:cacheprovider", "-q", "-k", "fails", str(tmp_path / "test_reads.py")],
-                          cwd=content_cache.ROOT, env=env, capture_output=True, text=True)
+    done = run_tests("-k", "fails")
     assert "1 failed" in done.stdout and entries() == ["kept"], done.stdout + done.stderr
 
 
