@@ -24,6 +24,12 @@ if [[ "$(cat .venv/.llama-cmake-args 2>/dev/null)" != "$llama_flags" ]] ||
   printf %s "$llama_flags" > .venv/.llama-cmake-args
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+# Python keeps our code's bytecode, and pytest its rewritten test modules, in __pycache__ beside them (ignored by git
+# and DVC: .gitignore, .dvcignore): where PYTHONDONTWRITEBYTECODE is set, as many container images set it, every run
+# and every process a test starts compiled them anew (6 of a worker's 16 s of collection on the 2-core CI machine). Not
+# PYTHONPYCACHEPREFIX: Python then ignores the bytecode pip compiled for the installed packages and compiles torch's
+# and the others' again (35 s more for the first process of a fresh .venv here).
+unset PYTHONDONTWRITEBYTECODE
 # The tests run on a worker process per core this process may use, at most 4, in groups (pytest-xdist's `-n auto`, as
 # tests/workers.py counts it: CPU affinity and a container's quota). One process (-n 0) on one core, and for a debugger
 # or live output; pass -n or -p no:xdist yourself (here or in PYTEST_ADDOPTS) to choose otherwise.

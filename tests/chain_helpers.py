@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-# every variant, so that each quantizing library (bitsandbytes, autoawq, gptqmodel) runs inside a Ray worker too
+# every variant (conftest's small_sequential): each quantizing library runs inside a Ray worker in one fan-out test
+# (bitsandbytes and GPTQModel: tests/test_fanout.py's fixture; autoawq: tests/test_repro.py's)
 SMALL_VARIANTS = ["fp16", "int8", "awq4", "gptq3"]
 
 
@@ -70,10 +71,17 @@ def small_repo(dest: Path, variants: list[str], **fanout_settings) -> Path:
 
 
 def with_a_stale_chain(finished: Path, dest: Path, variant: str) -> Path:
-    """A copy of a finished run whose `variant` checkpoint is gone: its quantize, memory and evaluate are stale, every
-    other chain stage up to date (the smallest chain that still fans out)."""
+    """A copy of a finished run whose `variant` chain is gone: its quantize, memory and evaluate are stale, every other
+    chain stage up to date (the smallest chain that still fans out). Every output dvc.yaml gives those stages is
+    removed, not only the checkpoint, so that what the fan-out is compared on is what it wrote, never the copy's."""
     shutil.copytree(finished, dest, symlinks=True)
-    shutil.rmtree(dest / "models" / "variants" / variant)
+    stages = yaml.safe_load((dest / "dvc.yaml").read_text())["stages"]
+    for kind in ("quantize", "memory", "evaluate"):
+        body = stages[kind]["do"]
+        for out in (o for section in ("outs", "metrics", "plots") for o in body.get(section, [])):
+            path = dest / (next(iter(out)) if isinstance(out, dict) else out).replace("${key}", variant)
+            assert path.exists(), f"{path}: an output of {kind}@{variant} the finished run did not write"
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     return dest
 
 

@@ -255,12 +255,12 @@ def recorded(tmp_path):
     """int8 passes both domains, awq4 fails math; recorded once."""
     from pipelines import record
     from tests.handmade import correctness
-    from tests.store_helpers import N, write_recordable
+    from tests.store_helpers import N, sqlite_store, write_recordable
 
     built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
                                         "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
                                         "awq4": {"math": correctness(N, 300, lose=60), "code": correctness(N, 300)}})
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     summary = record.record_pipeline(built["params"], uri, built["digest"], {"commit": "abc123", "dirty": False},
                                      root=tmp_path, artifact_root=tmp_path / "artifacts")
     return tmp_path, built, uri, summary
@@ -269,7 +269,9 @@ def recorded(tmp_path):
 @pytest.fixture()
 def repo(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    from tests.store_helpers import sqlite_store
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", sqlite_store(tmp_path))
     return tmp_path
 
 
@@ -346,16 +348,26 @@ def pipeline_run(tmp_path_factory):
         yield repo, first, second
 
 
-# ---- `dvc repro` of the fan-out tests' small repository, ONCE per session: tests/test_fanout.py and
-# tests/test_repro.py each compare their own run (quantgate fanout, quantgate repro) against it
+# ---- `dvc repro` of the fan-out tests' small repository, ONCE (kept by content): tests/test_fanout.py and
+# tests/test_repro.py each compare their own run (quantgate fanout, quantgate repro) on a copy of it against it
 @pytest.fixture(scope="session")
 def small_sequential(tmp_path_factory):
+    """The finished small repository. Kept by content (tests/content_cache.py): every file of the checkout that its copy
+    holds (the code, dvc.yaml and dvc.lock, params, data, committed results), docs/, benchmarks/ and the tests but
+    this fixture's helpers aside; the tests only copy and read it."""
+    from pipelines.core.lineage import checkout_files
     from tests.chain_helpers import SMALL_VARIANTS, run, small_repo, tool
+    from tests.content_cache import cached
 
-    seq = small_repo(tmp_path_factory.mktemp("sequential"), SMALL_VARIANTS)
-    done = run([tool("dvc"), "repro"], seq)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return seq
+    def build(folder: Path) -> Path:
+        seq = small_repo(folder / "repo", SMALL_VARIANTS)
+        done = run([tool("dvc"), "repro"], seq)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return seq
+
+    copied = [f for f in checkout_files(ROOT) if not f.startswith(("docs/", "benchmarks/", "tests/")) and f != "README.md"]
+    return cached(tmp_path_factory, "small_sequential", build, code=["cli"], settings=SMALL_VARIANTS,
+                  helpers=[*copied, "tests/conftest.py", "tests/chain_helpers.py", "tests/pipeline_e2e_helpers.py"])
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,7 +1,14 @@
-"""Helpers for the record, gate and store tests: recordable hand-made results, reading a recording back, fetch, the gate."""
+"""Helpers for the record, gate and store tests: a new MLflow store, recordable hand-made results, reading a recording
+back, fetch, the gate."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import shutil
+import sqlite3
+import tempfile
+from functools import cache
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -36,6 +43,29 @@ def write_checkpoints(root, built: dict) -> dict:
 def write_recordable(root, answers: dict) -> dict:
     """write_pipeline with real checkpoint files behind its manifests."""
     return write_checkpoints(root, write_pipeline(root, answers))
+
+
+@cache
+def _migrated_store() -> Path:
+    """An MLflow SQLite store that MLflow made and migrated itself, with nothing recorded: once per process."""
+    folder = Path(tempfile.mkdtemp(prefix="quantgate-mlflow-store-"))
+    atexit.register(shutil.rmtree, folder, True)
+    MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()
+    return folder / "mlflow.db"
+
+
+def sqlite_store(folder: Path, name: str = "mlflow.db") -> str:
+    """The URI of a new, empty MLflow store in `folder` (kept where one is there): a copy of _migrated_store, as MLflow
+    makes one, without MLflow's table migrations in every test (2-4 s each on the CI machine). Its Default
+    experiment's artifacts sit beside it, where MLflow puts them when it runs in `folder`."""
+    db = Path(folder) / name
+    if not db.exists():
+        db.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_migrated_store(), db)
+        with contextlib.closing(sqlite3.connect(db)) as con, con:
+            con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                        (str(db.parent.resolve() / "mlruns" / "0"),))
+    return f"sqlite:///{db}"
 
 
 def runs_of(uri, experiment="handmade"):

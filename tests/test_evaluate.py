@@ -125,6 +125,7 @@ def test_with_bubblewrap_hidden_code_is_not_measured_and_the_gate_cannot_decide(
     from pipelines import cli
     from pipelines.core.io import read_json, write_json
     from tests.handmade import correctness, rerun_compare, write_pipeline
+    from tests.store_helpers import sqlite_store
 
     real_which = sandbox.shutil.which
     monkeypatch.setattr(sandbox.shutil, "which", lambda tool, *a, **k: None if tool == "bwrap" else real_which(tool, *a, **k))
@@ -146,7 +147,7 @@ def test_with_bubblewrap_hidden_code_is_not_measured_and_the_gate_cannot_decide(
 
     repo = tmp_path / "repo"
     monkeypatch.chdir(repo.mkdir() or repo)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{repo / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", sqlite_store(repo))
     n = 400
     write_pipeline(repo, {"fp16": {d: correctness(n, 300) for d in ("math", "code")},
                           "int8": {d: correctness(n, 300, lose=1) for d in ("math", "code")},

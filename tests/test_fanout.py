@@ -182,15 +182,20 @@ def ray_cluster():
     assert not raylets(), "ray stop left a raylet running"
 
 
+# a fresh repository with every variant but awq4: bitsandbytes and GPTQModel inside Ray workers (autoawq, whose
+# quantize is the slowest stage here, in tests/test_repro.py's fan-out), fp16's chain and the baseline as tasks too
+FANNED = [v for v in SMALL_VARIANTS if v != "awq4"]
+
+
 @pytest.fixture(scope="module")
 def sequential_and_fanned(tmp_path_factory, ray_cluster, small_sequential):
-    """`quantgate fanout` of the whole small repository on the two-node cluster, with one fault on the way: the Ray
-    worker of memory@int8 (a task that waited on quantize@int8's) is killed while it measures, and Ray retries it
-    (fanout.retries 1, the default). Then `dvc repro compare` runs the two stages after the chains that the verdicts
-    need (the stages after compare run on fanned-out results in tests/test_repro.py: `quantgate repro` is fanout,
-    then `dvc repro`)."""
-    seq = small_sequential  # `dvc repro` of the same small repository, shared with tests/test_repro.py
-    fan = small_repo(tmp_path_factory.mktemp("fanned"), SMALL_VARIANTS, retries=1)
+    """`quantgate fanout` of a fresh small repository (FANNED's variants) on the two-node cluster, with one fault on
+    the way: the Ray worker of memory@int8 (a task that waited on quantize@int8's) is killed while it measures, and Ray
+    retries it (fanout.retries 1, the default). Then `dvc repro compare` runs the two stages after the chains that the
+    verdicts need (the stages after compare run on fanned-out results in tests/test_repro.py: `quantgate repro` is
+    fanout, then `dvc repro`)."""
+    seq = small_sequential  # `dvc repro` of the small repository with every variant, shared with tests/test_repro.py
+    fan = small_repo(tmp_path_factory.mktemp("fanned"), FANNED, retries=1)
     stage_env, killed = fanout_killing_memory_int8(fan, ray_cluster)
     rest = run([tool("dvc"), "repro", "compare"], fan)
     assert rest.returncode == 0, rest.stdout[-3000:] + rest.stderr[-3000:]
@@ -198,7 +203,8 @@ def sequential_and_fanned(tmp_path_factory, ray_cluster, small_sequential):
 
 
 def test_fanout_gives_the_same_records_and_verdicts_as_dvc_repro(sequential_and_fanned):
-    """The killed worker's task was retried and left no trace: the same records and verdicts, int8's memory measured."""
+    """The killed worker's task was retried and left no trace: the same records and verdicts as the sequential run's
+    for the same variants (a variant's verdicts are judged against fp16 alone), int8's memory measured."""
     seq, fan, report, _, (stage_env, killed) = sequential_and_fanned
     assert "memory@int8" in report["ran"] and report["failed"] == {}
     assert report["ran"]["memory@int8"]["pid"] != killed  # it ran again, in another worker
@@ -207,8 +213,8 @@ def test_fanout_gives_the_same_records_and_verdicts_as_dvc_repro(sequential_and_
     # stages side by side on shared cores: idle OpenMP threads sleep; Ray's OMP_NUM_THREADS=1 for a 1-CPU task
     # is not passed on, so the stage has `dvc repro`'s thread count
     assert stage_env.get("OMP_WAIT_POLICY") == "PASSIVE" and "OMP_NUM_THREADS" not in stage_env
-    assert records(fan) == records(seq) and len(records(seq)) == len(SMALL_VARIANTS)
-    assert verdicts(fan) == verdicts(seq)
+    assert records(fan) == {v: rows for v, rows in records(seq).items() if v in FANNED} and len(records(fan)) == 3
+    assert verdicts(fan) == {key: row for key, row in verdicts(seq).items() if key[0] in FANNED}
     assert (fan / "results/baseline/items.jsonl").read_text() == (seq / "results/baseline/items.jsonl").read_text()
     # the shadow replay's sample (small_repo) still gives route every servable type's agreement to listen to
     shadow = json.loads((seq / "results/shadow.json").read_text())
@@ -218,7 +224,7 @@ def test_fanout_gives_the_same_records_and_verdicts_as_dvc_repro(sequential_and_
 
 def test_fanout_spreads_the_chains_over_both_nodes_and_dvc_records_them(sequential_and_fanned):
     _, fan, report, rest, _ = sequential_and_fanned
-    expected = {f"{k}@{v}" for k in ("quantize", "memory", "evaluate") for v in SMALL_VARIANTS}
+    expected = {f"{k}@{v}" for k in ("quantize", "memory", "evaluate") for v in FANNED}
     assert set(report["ran"]) == expected | {"baseline"} and report["failed"] == {}
     assert set(report["committed"]) == set(report["ran"])
     assert len({row["node"] for row in report["ran"].values()}) == 2  # both nodes took tasks

@@ -15,7 +15,7 @@ from pipelines.core.params import load_params
 from pipelines.store import client as store_client
 from pipelines.store import layout, registry
 from tests.handmade import correctness
-from tests.store_helpers import N, fetch, runs_of, write_recordable
+from tests.store_helpers import N, fetch, runs_of, sqlite_store, write_recordable
 
 
 def test_parent_and_child_runs_with_metrics_params_and_tags(recorded):
@@ -95,7 +95,7 @@ def test_the_classifiers_accuracy_is_logged_on_the_parent_run(tmp_path):
                                              "chat": {"accuracy": None}}}
     write_json(tmp_path / "results/calibration/classifier.json", measured)
     (tmp_path / "results/calibration/classifier_confusion.png").write_bytes(b"\x89PNG not really")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
                                      artifact_root=tmp_path / "artifacts")
     client = MlflowClient(uri)
@@ -122,7 +122,7 @@ def test_a_variants_memory_flame_graph_is_on_its_child_run(tmp_path):
     (traces / "int8" / "trace.bin.partial").write_text("a capture a killed trace left")  # not listed: not logged
     write_trace_index(traces / "int8", {"variant": "int8", "growth_cause": {"tracer": "memray", "class": "leak"}})
     write_trace_index(traces / "awq4", {"variant": "awq4"})
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
                                      artifact_root=tmp_path / "artifacts")
     client = MlflowClient(uri)
@@ -144,7 +144,7 @@ def test_the_shadow_replay_is_a_child_run_with_its_numbers_tables_plots_and_roll
     (tmp_path / "results/rollout.yaml").write_text("types: {}\n")
     (tmp_path / "results/kserve").mkdir()
     (tmp_path / "results/kserve/math.yaml").write_text("kind: InferenceService\n")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     summary = record.record_pipeline(built["params"], uri, lineage.results_digest(tmp_path / "dvc.lock"), {},
                                      root=tmp_path, artifact_root=tmp_path / "artifacts")
     client = MlflowClient(uri)
@@ -239,7 +239,7 @@ def test_a_half_written_recording_is_replaced(tmp_path):
     built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
                                         "int8": {d: correctness(N, 300) for d in ("math", "code")},
                                         "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     client = MlflowClient(uri)
     exp_id = store_client.experiment_id(client, "handmade", tmp_path / "artifacts")
     crashed = client.create_run(exp_id, tags={layout.KIND_TAG: "pipeline", registry.DIGEST_TAG: built["digest"]})
@@ -255,7 +255,7 @@ def test_a_crash_while_registering_is_mended_by_the_next_record(tmp_path, monkey
     built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
                                         "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
                                         "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     client = MlflowClient(uri)
     real = MlflowClient.create_model_version
     calls = []
@@ -356,7 +356,7 @@ def test_a_dataset_logged_by_another_pipeline_at_the_same_moment_is_linked_not_l
     from mlflow.exceptions import MlflowException
 
     monkeypatch.setattr(record.time, "sleep", lambda s: None)
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", sqlite_store(tmp_path))
     data = tmp_path / "code.jsonl"
     data.write_text('{"id": "a", "text": "x = 1  # one"}\n')
     real, calls = mlflow.log_input, []

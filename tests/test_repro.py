@@ -67,11 +67,12 @@ AFTER_THE_CHAINS = {"memory-report": "results/memory_summary.json", "compare": "
 
 
 @pytest.fixture(scope="module")
-def sequential_and_repro(tmp_path_factory, request):
+def sequential_and_repro(tmp_path_factory, small_sequential):
     if GPU_HERE:
         pytest.skip("a GPU here: with fanout.gpus 0 quantgate repro runs plain dvc repro (tested by monkeypatching)")
-    seq = request.getfixturevalue("small_sequential")  # `dvc repro` of the same small repository (conftest.py)
-    # a copy of the finished run, on the smallest chain that still fans out: awq4's checkpoint gone (its quantize,
+    seq = small_sequential  # `dvc repro` of the same small repository (conftest.py), asked for as a parameter: a
+    # failure here forgets it in the test cache (tests/content_cache.py's entries_of follows fixture parameters)
+    # a copy of the finished run, on the smallest chain that still fans out: awq4's chain gone (its quantize,
     # memory and evaluate run as tasks on the private cluster; every chain side by side: the fan-out fixture), an
     # output of each stage after the chains gone (so each runs again under `dvc repro` and what is compared below is
     # re-derived, not copied), the MLflow store (record writes a new one) and the stage timings (this run's)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -21,35 +23,45 @@ from tests.standard_task_helpers import PROBLEMS, params_with_tasks
 P = EvaluateParams(domains=["math"], look_items=4, max_items=8, batch_size=8, fidelity_texts=4)
 
 
-@pytest.fixture(scope="module")
-def params(gsm8k_files):
+def params_for(data_files: dict) -> EvaluateParams:
     return P.model_copy(update={"tasks": EvaluateParams.model_validate(
-        {"tasks": {"math": [{"name": "gsm8k", "data_files": gsm8k_files}]}}).tasks})
+        {"tasks": {"math": [{"name": "gsm8k", "data_files": data_files}]}}).tasks})
 
 
 @pytest.fixture(scope="module")
-def fp16(tmp_path_factory, tiny_model):
-    """The tiny model as the pipeline's fp16 variant (a checkpoint directory with its quantgate.json)."""
-    root = tmp_path_factory.mktemp("variants")
-    manifest, _ = quantize.quantize_variant("fp16", DEFAULT_VARIANTS["fp16"], ModelSource("local", str(tiny_model)),
-                                            root / "no-calibration", "cpu", root)
-    assert manifest["status"] == "ok", manifest.get("error")
-    return root / "fp16"
+def runs(tmp_path_factory, tiny_model, gsm8k_files):
+    """The tiny model as the pipeline's fp16 variant (a checkpoint directory with its quantgate.json) as the baseline
+    (every look), then the same model evaluated again as a variant against it. Kept by content
+    (tests/content_cache.py), gsm8k's files copied into the entry, so that the paths its records name stay valid."""
+    from tests.content_cache import cached
 
+    def build(folder):
+        data = {split: str(shutil.copy(path, folder / f"{split}.jsonl")) for split, path in gsm8k_files.items()}
+        params = params_for(data)
+        plans = probe_plans(params.domains, params)
+        root = folder / "variants"
+        manifest, _ = quantize.quantize_variant("fp16", DEFAULT_VARIANTS["fp16"],
+                                                ModelSource("local", str(tiny_model)), root / "no-calibration", "cpu",
+                                                root)
+        assert manifest["status"] == "ok", manifest.get("error")
+        base, base_items = harness.evaluate_variant(str(root / "fp16"), plans, params, "cpu",
+                                                    folder / "base.safetensors")
+        answers = {key: correctness(by_id(base_items, key)) for key in plans}
+        again, again_items = harness.evaluate_variant(str(root / "fp16"), plans, params, "cpu",
+                                                      folder / "base.safetensors", answers, CompareParams())
+        return data, (base, base_items), (again, again_items), root / "fp16"
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, fp16, params):
-    """fp16 as the baseline (every look), then the same model evaluated again as a variant against it."""
-    plans = probe_plans(params.domains, params)
-    base_path = tmp_path_factory.mktemp("fid") / "base.safetensors"
-    base, base_items = harness.evaluate_variant(str(fp16), plans, params, "cpu", base_path)
-    answers = {key: correctness(by_id(base_items, key)) for key in plans}
-    again, again_items = harness.evaluate_variant(str(fp16), plans, params, "cpu", base_path, answers, CompareParams())
-    return plans, (base, base_items), (again, again_items)
+    data, base, again, fp16 = cached(
+        tmp_path_factory, "standard_task_rows", build, code=["quantize", "evaluation.harness"],
+        helpers=["tests/test_standard_task_rows.py", "tests/standard_task_helpers.py"],
+        inputs=[tiny_model.parent, *map(Path, gsm8k_files.values())],
+        settings=[P.model_dump(), CompareParams().model_dump()])
+    params = params_for(data)
+    return probe_plans(params.domains, params), base, again, fp16
 
 
 def test_the_plan_has_a_row_per_task_with_stable_ids(runs):
-    plans, _, _ = runs
+    plans, _, _, _ = runs
     assert list(plans) == ["math", "math:gsm8k"]
     plan = plans["math:gsm8k"]
     assert plan["pool"] == len(PROBLEMS)
@@ -59,7 +71,7 @@ def test_the_plan_has_a_row_per_task_with_stable_ids(runs):
 
 
 def test_gsm8k_is_recorded_per_item_from_the_local_file(runs):
-    _, (base, items), _ = runs
+    _, (base, items), _, _ = runs
     assert base["status"] == "ok", base.get("error")
     summary = base["probes"]["math:gsm8k"]
     assert (summary["task"], summary["metric"], summary["filter"], summary["items"]) == \
@@ -80,7 +92,7 @@ def test_gsm8k_is_recorded_per_item_from_the_local_file(runs):
 
 
 def test_the_same_model_pairs_with_zero_flips(runs):
-    plans, (_, base_items), (again, items) = runs
+    plans, (_, base_items), (again, items), _ = runs
     assert again["status"] == "ok", again.get("error")
     base, mine = by_id(base_items, "math:gsm8k"), by_id(items, "math:gsm8k")
     assert set(mine) and set(mine) <= set(base)
@@ -95,7 +107,7 @@ def test_the_same_model_pairs_with_zero_flips(runs):
 
 
 def test_another_prompt_does_not_pair(runs):
-    _, (_, base_items), (_, items) = runs
+    _, (_, base_items), (_, items), _ = runs
     base = by_id(base_items, "math:gsm8k")
     mine = {i: {**r, "prompt_hash": "x"} if i == "gsm8k:0" else r for i, r in by_id(items, "math:gsm8k").items()}
     assert any("other prompts" in p for p in pairing_problems(base, mine, sorted(mine)))
@@ -103,8 +115,8 @@ def test_another_prompt_does_not_pair(runs):
     assert any("another lm-eval filter" in p for p in pairing_problems(base, mine, sorted(mine)))
 
 
-def test_compare_judges_the_task_as_its_own_row(tmp_path, runs, fp16):
-    plans, (base, base_items), (again, items) = runs
+def test_compare_judges_the_task_as_its_own_row(tmp_path, runs):
+    plans, (base, base_items), (again, items), fp16 = runs
     for name, result, records in (("fp16", base, base_items), ("again", again, items)):
         write_json(tmp_path / "models/variants" / name / "quantgate.json", read_json(fp16 / "quantgate.json"))
         write_json(tmp_path / "results/eval" / f"{name}.json", result)

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from mlflow import MlflowClient
 
 from pipelines import record
 from pipelines.store import client as store_client
 from tests.handmade import correctness
-from tests.store_helpers import N, write_recordable
+from tests.store_helpers import N, sqlite_store, write_recordable
 
 
 def locked_workspace(tmp_path, holder: str, heartbeat: float) -> tuple[dict, str, str]:
@@ -16,7 +18,7 @@ def locked_workspace(tmp_path, holder: str, heartbeat: float) -> tuple[dict, str
     built = write_recordable(tmp_path, {"fp16": {d: correctness(N, 300) for d in ("math", "code")},
                                         "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
                                         "awq4": {d: correctness(N, 300, lose=60) for d in ("math", "code")}})
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     lock = store_client.RECORDING_LOCK + built["digest"][:16]
     MlflowClient(uri).create_registered_model(lock, tags={"heartbeat": str(heartbeat), "holder": holder})
     return built, uri, lock
@@ -68,7 +70,7 @@ def test_a_lock_released_while_mlflow_reports_the_clash_is_taken_at_the_next_try
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
 
-    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    client = MlflowClient(sqlite_store(tmp_path))
     real, calls = client.create_registered_model, []
 
     def released_in_between(name, **kwargs):
@@ -93,3 +95,27 @@ def test_a_lock_released_while_mlflow_reports_the_clash_is_taken_at_the_next_try
         with store_client.recording_lock(client, "cd" * 32):
             pass
     assert len(calls) == 6
+
+
+def test_a_new_test_store_is_what_mlflow_makes_and_each_copy_its_own(tmp_path):
+    """sqlite_store (tests/store_helpers.py) copies a store MLflow made instead of migrating one per test: the copy has
+    the tables, indexes and schema revision of a store MLflow makes here now, two copies share nothing, and the Default
+    experiment's artifacts sit beside each copy."""
+    import sqlite3
+
+    def schema(uri: str) -> list:
+        """Each table's and index's definition, its lines sorted: MLflow's own migrations order a table's CHECK
+        constraints differently from one store to the next."""
+        with contextlib.closing(sqlite3.connect(uri.removeprefix("sqlite:///"))) as con:
+            made = con.execute("SELECT type, name, sql FROM sqlite_master").fetchall()
+            return sorted((kind, name, sorted(line.strip().rstrip(",") for line in (sql or "").splitlines()))
+                          for kind, name, sql in made) + con.execute("SELECT version_num FROM alembic_version").fetchall()
+
+    made = f"sqlite:///{tmp_path / 'made.db'}"
+    MlflowClient(made).search_experiments()  # MLflow's own migrations, in this test
+    a, b = sqlite_store(tmp_path / "a"), sqlite_store(tmp_path / "b")
+    assert schema(a) == schema(made) and len(schema(made)) > 20
+    MlflowClient(a).create_experiment("only-in-a")
+    assert [e.name for e in MlflowClient(b).search_experiments()] == ["Default"]
+    assert MlflowClient(b).get_experiment("0").artifact_location == str((tmp_path / "b" / "mlruns" / "0").resolve())
+    assert sqlite_store(tmp_path / "a") == a and MlflowClient(a).get_experiment_by_name("only-in-a")  # kept, not replaced

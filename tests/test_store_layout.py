@@ -8,7 +8,7 @@ import pytest
 from mlflow import MlflowClient
 
 from pipelines.store import layout
-from tests.store_helpers import runs_of
+from tests.store_helpers import runs_of, sqlite_store
 
 
 def test_parent_run_carries_each_variants_numbers_per_request_type(recorded):
@@ -64,7 +64,7 @@ def test_the_experiment_has_a_saved_view_of_verdicts_and_deciding_numbers(record
 
 
 def test_the_saved_view_grows_with_new_request_types(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     client = MlflowClient(uri)
     exp_id = client.create_experiment("views", artifact_location=(tmp_path / "a").as_uri())
     layout.write_verdict_view(client, exp_id, {"domains": ["math", "code"], "variants": {}})

@@ -10,17 +10,17 @@ from pipelines.core.io import sha256_file, write_json
 from pipelines.core.params import Params
 from pipelines.store import promotion, registry
 from tests.handmade import correctness, write_pipeline
-from tests.store_helpers import N, answers, run_gate, stored_checkpoint, write_recordable
+from tests.store_helpers import N, answers, run_gate, sqlite_store, stored_checkpoint, write_recordable
 
 
 def record_run(repo, results):
     built = write_recordable(repo, results)
-    return record.record_pipeline(built["params"], f"sqlite:///{repo / 'mlflow.db'}", built["digest"], {}, root=repo,
+    return record.record_pipeline(built["params"], sqlite_store(repo), built["digest"], {}, root=repo,
                                   artifact_root=repo / "artifacts")
 
 
 def aliases(repo):
-    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    client = MlflowClient(sqlite_store(repo))
     return {a: str(client.get_model_version_by_alias("quantgate-reference", a).version) for a in ("candidate", "production")
             if a in client.get_registered_model("quantgate-reference").aliases}
 
@@ -64,7 +64,7 @@ def test_promotion_needs_a_passing_gate_and_this_runs_candidate(repo):
 @pytest.mark.parametrize("damage", ["delete", "flip"])
 def test_promotion_refuses_a_version_whose_stored_checkpoint_is_not_the_gated_one(repo, damage):
     summary = record_run(repo, answers())
-    stored = stored_checkpoint(f"sqlite:///{repo / 'mlflow.db'}", summary["children"]["int8"]) / "tokenizer.json"
+    stored = stored_checkpoint(sqlite_store(repo), summary["children"]["int8"]) / "tokenizer.json"
     if damage == "delete":
         stored.unlink()
     else:
@@ -82,7 +82,7 @@ def test_promotion_refuses_a_registry_rewritten_to_other_bytes_with_matching_has
     """Someone with write access to the store replaces a file, its checkpoint.json and the version's tag
     together: the stored copy is self-consistent, but it is not what the workspace DVC vouches for was."""
     summary = record_run(repo, answers())
-    uri = f"sqlite:///{repo / 'mlflow.db'}"
+    uri = sqlite_store(repo)
     stored = stored_checkpoint(uri, summary["children"]["int8"])
     (stored / "tokenizer.json").write_bytes((stored / "tokenizer.json").read_bytes().replace(b"int8", b"int9"))
     files = {p.relative_to(stored).as_posix(): sha256_file(p) for p in stored.rglob("*") if p.is_file()}
@@ -109,6 +109,6 @@ def test_promotion_after_the_workspace_is_overwritten_promotes_the_stored_bytes(
 
 
 def test_a_registry_without_a_candidate_version_promotes_nothing(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     assert promotion.promote_candidate(uri, "quantgate-reference", {"gated": ["int8"]}, Params(), "0" * 64) == {
         "status": "refused", "detail": "no version of 'quantgate-reference' carries the alias 'candidate': run dvc repro"}

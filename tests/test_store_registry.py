@@ -11,7 +11,7 @@ from mlflow import MlflowClient
 from pipelines import record
 from pipelines.core.io import sha256_file
 from tests.handmade import correctness
-from tests.store_helpers import N, fetch, stored_checkpoint, write_recordable
+from tests.store_helpers import N, fetch, sqlite_store, stored_checkpoint, write_recordable
 
 
 def test_passing_variants_are_registered_and_candidate_points_at_the_newest(recorded):
@@ -102,7 +102,7 @@ def test_a_passing_variant_whose_files_are_not_its_manifests_is_not_registered(t
                                         "int8": {d: correctness(N, 300, lose=1) for d in ("math", "code")},
                                         "awq4": {d: correctness(N, 300) for d in ("math", "code")}})
     (tmp_path / "models/variants/awq4/model.safetensors").write_bytes(b"replaced after it was gated")
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = sqlite_store(tmp_path)
     summary = record.record_pipeline(built["params"], uri, built["digest"], {}, root=tmp_path,
                                      artifact_root=tmp_path / "artifacts")
     assert [r["variant"] for r in summary["registered"]] == ["int8"]
