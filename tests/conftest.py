@@ -268,9 +268,9 @@ def recorded(tmp_path):
 
 @pytest.fixture()
 def repo(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
     from tests.store_helpers import sqlite_store
 
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", sqlite_store(tmp_path))
     return tmp_path
 
