@@ -1,5 +1,6 @@
-"""The fan-out tests' shared pieces (tests/test_fanout.py, tests/test_repro.py, the `small_sequential` fixture):
-a small copy of the repository, commands run with Ray's token authentication, and what two runs are compared on."""
+"""The small repository of the whole-pipeline run (tests/conftest.py `pipeline_run`) and the fan-out tests' shared
+pieces (tests/test_fanout.py, tests/test_repro.py): commands run with Ray's token authentication, and what two runs
+are compared on."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-# every variant (conftest's small_sequential): each quantizing library runs inside a Ray worker in one fan-out test
+# every variant (conftest's pipeline_run): each quantizing library runs inside a Ray worker in one fan-out test
 # (bitsandbytes and GPTQModel: tests/test_fanout.py's fixture; autoawq: tests/test_repro.py's)
 SMALL_VARIANTS = ["fp16", "int8", "awq4", "gptq3"]
 
@@ -51,21 +52,28 @@ def raylets() -> list[str]:
 
 
 def small_repo(dest: Path, variants: list[str], **fanout_settings) -> Path:
-    """A copy of the repository with the end-to-end test's small settings, judged on accuracy alone: memory limits
-    as wide as params.yaml's bounds allow (growth up to the minimum saving, a 5 % leak), so that two stages
-    measuring side by side on two cores do not flip a verdict."""
-    from tests.pipeline_e2e_helpers import repo_copy, shadow_sample
+    """A copy of the repository with the end-to-end run's small settings (conftest's `pipeline_run` is this with every
+    variant and three candidates; the fan-out tests make theirs the same way, so that their records and verdicts are
+    comparable with it): a fifth request type, `sql`, added by configuration only (pipeline_e2e_helpers.py); 64
+    calibration samples; 40 probe items a type in looks of 20; a shadow sample of 24 requests a type; judged on
+    accuracy alone, with memory limits as wide as params.yaml's bounds allow (growth up to the minimum saving, a 5 %
+    leak), so that two stages measuring side by side on two cores do not flip a verdict."""
+    from tests.pipeline_e2e_helpers import add_sql_request_type, repo_copy, shadow_sample
 
     repo = repo_copy(dest)
     params = yaml.safe_load((repo / "params.yaml").read_text())
+    add_sql_request_type(repo, params)
     params["calibration"].update(samples=64, max_tokens=96)
+    # 40 items cannot show a 5-point margin: 0 flips of 40 in ~12 families still leave an interval of about +-0.2 (t
+    # with 11 df). A 0.25 margin lets the nearly lossless int8 pass, so registration and promotion run end to end;
+    # 16 fidelity texts give KL the 100 tokens it needs
     params["evaluate"].update(look_items=20, max_items=40, fidelity_texts=16)
     params["compare"]["policy"]["default"].update(max_accuracy_drop=0.25, max_growth_excess_pct=10.0)
     params["memory"].update(seq_fractions=[0.5, 1.0], warmup_rounds=1, rounds=10, max_rounds=10, tail_rounds=6,
                             alternations=2, burst_size=2, leak_tolerance_pct=5.0)
     params["variants"] = {name: params["variants"][name] for name in variants}
     params["fanout"].update(fanout_settings)
-    shadow_sample(repo, params)
+    shadow_sample(repo, params)  # 24 requests a type (sql's 20), not all 440: route still listens to every type
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))
     return repo
 

@@ -36,10 +36,9 @@ TINY_REFERENCE = {
 HEAVY = ("e2e", "ray", "server", "browser")
 TIER_OF_FIXTURE = {
     "tests.conftest:pipeline_run": ("e2e",),  # the whole pipeline, twice (below)
-    "tests.conftest:small_sequential": ("e2e",),  # the fan-out tests' small repository's `dvc repro` (below)
     "tests.test_fanout:ray_cluster": ("ray",),
     "tests.test_fanout:sequential_and_fanned": ("ray", "e2e"),
-    "tests.test_repro:sequential_and_repro": ("ray", "e2e"),  # asks for small_sequential by getfixturevalue
+    "tests.test_repro:sequential_and_repro": ("ray", "e2e"),
     "tests.test_endpoints:served": ("server",),  # llama.cpp's OpenAI-compatible server
     "tests.test_mlflow_server:server": ("server",),  # MLflow's server on PostgreSQL
     "tests.test_record:server": ("server",),  # MLflow's server on SQLite
@@ -287,39 +286,31 @@ def gsm8k_files(tmp_path_factory):
     return {"test": str(root / "test.jsonl"), "train": str(root / "train.jsonl")}
 
 
-# ---- the whole pipeline, run ONCE per session for tests/test_pipeline_e2e.py and tests/test_readme_commands.py
+# ---- the whole pipeline, run ONCE per session: read by tests/test_pipeline_e2e.py and tests/test_readme_commands.py,
+# copied by tests/test_audit.py, and what the fan-out tests (tests/test_fanout.py, tests/test_repro.py) compare their
+# own runs against (copies are cheap, runs are not)
 @pytest.fixture(scope="session")
 def pipeline_run(tmp_path_factory):
-    """`dvc repro` (twice) in a temporary copy of the repository with a fifth request type and a broken candidate."""
+    """`dvc repro` (twice) in the small repository (tests/chain_helpers.py `small_repo`: every variant, the fifth request
+    type) with three candidates: a broken one, one judged from its lm-eval sample log, one served by a real engine."""
     import yaml
 
     from pipelines.core.params import load_params
     from pipelines.evaluation.plans import probe_plans
-    from tests.pipeline_e2e_helpers import add_sql_request_type, dvc, repo_copy, shadow_sample
+    from tests.chain_helpers import SMALL_VARIANTS, small_repo
     from tests.llama_server import serving, write_gguf
+    from tests.pipeline_e2e_helpers import dvc
     from tests.sample_log_helpers import lm_eval_log
 
-    repo = repo_copy(tmp_path_factory.mktemp("repo"))
+    # the shipped reference model (copied, not trained): a model that answers the probes, so the verdicts judge
+    # something (a model that scores 0 everywhere cannot pass) and the loop runs to promotion
+    repo = small_repo(tmp_path_factory.mktemp("repo"), SMALL_VARIANTS)
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    add_sql_request_type(repo, params)
-    shadow_sample(repo, params)  # 24 requests a type (sql's 20), not all 440: route still listens to every type
-    # the shipped reference model (copied, not trained): a model that answers the probes, so the verdicts
-    # judge something (a model that scores 0 everywhere cannot pass) and the loop runs to promotion
-    params["calibration"].update(samples=64, max_tokens=96)
-    params["evaluate"].update(look_items=20, max_items=40, fidelity_texts=16)
-    # 40 items cannot show a 5-point margin: 0 flips of 40 in ~12 families still leave an interval of about
-    # +-0.2 (t with 11 df). A 0.25 margin lets the nearly lossless int8 pass, so registration and promotion
-    # run end to end; 16 fidelity texts give KL the 100 tokens it needs
-    params["compare"]["policy"]["default"]["max_accuracy_drop"] = 0.25
-    # int8 (bitsandbytes on a CPU) grows ~2 KB a round for up to ~20 rounds before it settles on this tiny model,
-    # longer on a loaded machine: 24 rounds let it settle instead of projecting warm-up as a leak
-    params["memory"].update(seq_fractions=[0.5, 1.0], warmup_rounds=1, rounds=10, max_rounds=24, tail_rounds=6,
-                            alternations=2, burst_size=2)
     broken = repo / "third_party" / "vendor-gptq"  # a candidate that must be rejected, not crash the pipeline
     broken.mkdir(parents=True)
     (broken / "config.json").write_text("{}")
     (broken / "pytorch_model.bin").write_bytes(b"\x80\x04")
-    # and a candidate judged from its lm-eval sample log (pipelines/evaluation/sample_logs.py): the shipped model in
+    # a candidate judged from its lm-eval sample log (pipelines/evaluation/sample_logs.py): the shipped model in
     # bfloat16 run through the real `lm_eval` command, as a team runs its model where it serves it; memory and KL
     # declared measured elsewhere (a log gives neither)
     # and one served by a real engine (pipelines/evaluation/endpoints.py): the shipped model as llama.cpp's Q8_0,
@@ -336,7 +327,7 @@ def pipeline_run(tmp_path_factory):
                                                   "endpoint": {"base_url": base_url, "model": "vendor-q8",
                                                                # greedy: the server's default penalizes repeats
                                                                "request_fields": {"repeat_penalty": 1.0}}}}
-        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))
         with contextlib.chdir(repo):
             evaluate = load_params().evaluate
             plan = probe_plans(evaluate.domains, evaluate)
@@ -346,28 +337,6 @@ def pipeline_run(tmp_path_factory):
         assert first.returncode == 0, first.stdout + first.stderr
         second = dvc(["repro"], repo)
         yield repo, first, second
-
-
-# ---- `dvc repro` of the fan-out tests' small repository, ONCE (kept by content): tests/test_fanout.py and
-# tests/test_repro.py each compare their own run (quantgate fanout, quantgate repro) on a copy of it against it
-@pytest.fixture(scope="session")
-def small_sequential(tmp_path_factory):
-    """The finished small repository. Kept by content (tests/content_cache.py): every file of the checkout that its copy
-    holds (the code, dvc.yaml and dvc.lock, params, data, committed results), docs/, benchmarks/ and the tests but
-    this fixture's helpers aside; the tests only copy and read it."""
-    from pipelines.core.lineage import checkout_files
-    from tests.chain_helpers import SMALL_VARIANTS, run, small_repo, tool
-    from tests.content_cache import cached
-
-    def build(folder: Path) -> Path:
-        seq = small_repo(folder / "repo", SMALL_VARIANTS)
-        done = run([tool("dvc"), "repro"], seq)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return seq
-
-    copied = [f for f in checkout_files(ROOT) if not f.startswith(("docs/", "benchmarks/", "tests/")) and f != "README.md"]
-    return cached(tmp_path_factory, "small_sequential", build, code=["cli"], settings=SMALL_VARIANTS,
-                  helpers=[*copied, "tests/conftest.py", "tests/chain_helpers.py", "tests/pipeline_e2e_helpers.py"])
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -188,13 +188,13 @@ FANNED = [v for v in SMALL_VARIANTS if v != "awq4"]
 
 
 @pytest.fixture(scope="module")
-def sequential_and_fanned(tmp_path_factory, ray_cluster, small_sequential):
+def sequential_and_fanned(tmp_path_factory, ray_cluster, pipeline_run):
     """`quantgate fanout` of a fresh small repository (FANNED's variants) on the two-node cluster, with one fault on
     the way: the Ray worker of memory@int8 (a task that waited on quantize@int8's) is killed while it measures, and Ray
     retries it (fanout.retries 1, the default). Then `dvc repro compare` runs the two stages after the chains that the
     verdicts need (the stages after compare run on fanned-out results in tests/test_repro.py: `quantgate repro` is
     fanout, then `dvc repro`)."""
-    seq = small_sequential  # `dvc repro` of the small repository with every variant, shared with tests/test_repro.py
+    seq, _, _ = pipeline_run  # `dvc repro` of the small repository with every variant (and three candidates)
     fan = small_repo(tmp_path_factory.mktemp("fanned"), FANNED, retries=1)
     stage_env, killed = fanout_killing_memory_int8(fan, ray_cluster)
     rest = run([tool("dvc"), "repro", "compare"], fan)
@@ -272,12 +272,12 @@ def fanout_killing_memory_int8(repo: Path, address: str) -> tuple[dict[str, str]
 
 
 def test_a_worker_killed_mid_task_and_not_retried_is_recorded_as_the_variants_failure(tmp_path, ray_cluster,
-                                                                                      small_sequential):
+                                                                                      pipeline_run):
     """A copy of the finished small repository whose int8 checkpoint is gone: `quantgate fanout` runs int8's chain
     (quantize, then memory and evaluate side by side; every other chain stage is up to date), and the Ray worker of
     memory@int8, a task that waited on quantize@int8's, is killed while it measures (evaluate@int8, ready at the same
     moment, runs on the cluster meanwhile), with no retry left. (Killed and retried: the fan-out fixture.)"""
-    repo = with_a_stale_chain(small_sequential, tmp_path / "repo", "int8")
+    repo = with_a_stale_chain(pipeline_run[0], tmp_path / "repo", "int8")
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["fanout"]["retries"] = 0  # (no stage's parameter: nothing else goes stale)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, allow_unicode=True))

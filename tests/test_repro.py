@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipelines import repro
 from tests.conftest import ROOT
@@ -67,11 +68,10 @@ AFTER_THE_CHAINS = {"memory-report": "results/memory_summary.json", "compare": "
 
 
 @pytest.fixture(scope="module")
-def sequential_and_repro(tmp_path_factory, small_sequential):
+def sequential_and_repro(tmp_path_factory, pipeline_run):
     if GPU_HERE:
         pytest.skip("a GPU here: with fanout.gpus 0 quantgate repro runs plain dvc repro (tested by monkeypatching)")
-    seq = small_sequential  # `dvc repro` of the same small repository (conftest.py), asked for as a parameter: a
-    # failure here forgets it in the test cache (tests/content_cache.py's entries_of follows fixture parameters)
+    seq, _, _ = pipeline_run  # `dvc repro` of the small repository with every variant and three candidates
     # a copy of the finished run, on the smallest chain that still fans out: awq4's chain gone (its quantize,
     # memory and evaluate run as tasks on the private cluster; every chain side by side: the fan-out fixture), an
     # output of each stage after the chains gone (so each runs again under `dvc repro` and what is compared below is
@@ -118,10 +118,12 @@ def test_quantgate_repro_fans_out_and_matches_a_sequential_dvc_repro(sequential_
     assert "chain stages ran" in said and "plain dvc repro" not in said, said[-3000:]
     assert set(re.findall(r"fanout: (\S+) done in", said)) == {f"{s}@awq4" for s in ("quantize", "memory", "evaluate")}
     assert set(re.findall(r"Running stage '([^']+)'", said)) == set(AFTER_THE_CHAINS), said[-3000:]
-    assert records(par) == records(seq) and len(records(seq)) == len(VARIANTS)
+    assert records(par) == records(seq) and set(VARIANTS) <= set(records(seq))
     assert verdicts(par) == verdicts(seq)
     assert routes(par) == routes(seq)
-    assert mlflow_layout(par) == mlflow_layout(seq) and len(mlflow_layout(seq)) == len(VARIANTS) + 2  # + parent, shadow
+    candidates = yaml.safe_load((seq / "params.yaml").read_text())["candidates"]
+    assert mlflow_layout(par) == mlflow_layout(seq) and len(mlflow_layout(seq)) == len(VARIANTS) + len(candidates) + 2
+    # (+ the parent and the shadow replay's run)
     status = run([tool("dvc"), "status"], par)
     assert "up to date" in status.stdout, status.stdout
     gated = run([tool("quantgate"), "gate", "--variant", "awq4"], par)

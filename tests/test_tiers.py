@@ -230,7 +230,7 @@ def test_every_fixture_that_sets_a_tier_or_a_group_exists_and_every_timed_group_
         module, name = key.split(":")
         assert callable(getattr(importlib.import_module(module), name, None)), key
     for group in workers.SECONDS_OF_GROUP:
-        assert group in {*workers.GROUP_OF_FIXTURE.values(), "ray"} or (ROOT / group).is_file(), group
+        assert group in workers.GROUP_OF_FIXTURE.values() or (ROOT / group).is_file(), group
 
 
 def test_the_workers_run_a_group_on_one_worker_and_stop_where_the_groups_are_gone(request):

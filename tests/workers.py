@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 
 GROUP_OF_FIXTURE = {
-    "tests.conftest:pipeline_run": "pipeline_run",
-    "tests.conftest:small_sequential": "ray",
+    "tests.conftest:pipeline_run": "pipeline_run",  # with the Ray tests: the fan-out tests compare against it
     "tests.conftest:log_evidence": "log_evidence",
     "tests.conftest:direct_checkpoints": "library_checkpoints", "tests.conftest:ct_checkpoints": "library_checkpoints",
 }
 # The groups that took longest (CI's --durations, docs/testing.md) are handed out first, so that no worker starts a long
-# one when the others are done. Seconds on the 2-core CI machine under two workers (the CI of fc71851); a group not
-# listed keeps its place.
+# one when the others are done. Seconds under two workers on the 2-core AMD EPYC VM, every fixture built from nothing
+# (4787b12's tests; pipeline_run's group with the Ray tests merged in, as after them); a group not listed keeps its place.
 SECONDS_OF_GROUP = {
-    "ray": 850, "pipeline_run": 780, "tests/test_mlflow_server.py": 160, "tests/test_mlflow_ui.py": 135,
-    "tests/test_memory.py": 90, "tests/test_sandbox_token.py": 60, "log_evidence": 60, "tests/test_gpu_memory_check.py": 60,
-    "tests/test_memory_attribution.py": 55, "tests/test_shadow.py": 40, "tests/test_gguf.py": 30, "tests/test_isolation.py": 25,
+    "pipeline_run": 1300, "tests/test_mlflow_server.py": 180, "tests/test_mlflow_ui.py": 130, "tests/test_endpoints.py": 115,
+    "tests/test_memory.py": 110, "tests/test_memory_attribution.py": 80, "tests/test_gpu_memory_check.py": 80,
+    "tests/test_sandbox_token.py": 65, "tests/test_isolation.py": 55, "tests/test_gguf.py": 50, "log_evidence": 45,
+    "tests/test_shadow.py": 40,
 }
 MAX_WORKERS = 4  # every sandboxed program runs as the one uid 65534, and they share its process limit
 WORKER_TMP = pytest.StashKey[str]()
@@ -104,6 +104,7 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 
 def group_of(item, fixtures: list[str]) -> str:
-    """The item's group: its first grouped fixture's (module:name keys), else the Ray tests', else its file's."""
+    """The item's group: its first grouped fixture's (module:name keys), else the Ray tests' (pipeline_run's: the
+    fan-out tests compare their runs against it), else its file's."""
     return next((GROUP_OF_FIXTURE[k] for k in fixtures if k in GROUP_OF_FIXTURE), None) or \
-        ("ray" if item.get_closest_marker("ray") else item.nodeid.split("::", 1)[0])
+        ("pipeline_run" if item.get_closest_marker("ray") else item.nodeid.split("::", 1)[0])
