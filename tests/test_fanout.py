@@ -219,7 +219,7 @@ def test_fanout_gives_the_same_records_and_verdicts_as_dvc_repro(sequential_and_
     # the shadow replay's sample (small_repo) still gives route every servable type's agreement to listen to
     shadow = json.loads((seq / "results/shadow.json").read_text())
     least = yaml.safe_load((seq / "params.yaml").read_text())["shadow"]["min_requests"]
-    assert all(shadow["traffic"]["by_type"][t] >= least for t in ("chat", "code", "code_comment", "math")), shadow
+    assert all(shadow["traffic"]["by_type"][t] >= least for t in ("chat", "code", "code_comment", "math", "sql")), shadow
 
 
 def test_fanout_spreads_the_chains_over_both_nodes_and_dvc_records_them(sequential_and_fanned):

@@ -1,7 +1,7 @@
 """The tests on pytest-xdist workers (scripts/test.sh, docs/testing.md): how many, and in which groups. A group runs on
-one worker: the tests that share a costly session fixture (built once, not once per worker), the Ray tests (they count
-the machine's raylets, and `ray stop --force` stops every cluster on it), else a test's file (a module's fixtures are
-built once). tests/conftest.py imports the hooks below, which is how pytest finds them."""
+one worker: the tests that share a costly session fixture (built once, not once per worker; the Ray tests go with
+`pipeline_run`'s: they count the machine's raylets, `ray stop --force` stops every cluster on it, and the fan-out tests
+compare against that run), else a test's file (a module's fixtures are built once). tests/conftest.py imports the hooks below, which is how pytest finds them."""
 
 from __future__ import annotations
 
