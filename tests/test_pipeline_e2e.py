@@ -84,13 +84,13 @@ def test_memory_stage_per_variant_and_summary(pipeline_run):
     shipped = yaml.safe_load((ROOT / "params.yaml").read_text())
     ran = MemoryParams(**yaml.safe_load((repo / "params.yaml").read_text())["memory"])
     strict = ran.model_copy(update={"leak_tolerance_pct": shipped["memory"]["leak_tolerance_pct"]})
+    growth_limit = shipped["compare"]["policy"]["default"]["max_growth_excess_pct"]
     for variant in ("awq4", "gptq3"):
         measured = json.loads((repo / "results" / "memory" / f"{variant}.json").read_text())
-        judge = lambda p: leak_verdict(measured["soak"], measured["load"]["footprint_bytes"], p, measured["growth_cause"])
-        assert judge(ran) == measured["leak"]  # the same inputs the stage judged
-        assert judge(strict)["leak"] is False, (variant, judge(strict))
-        limit = shipped["compare"]["policy"]["default"]["max_growth_excess_pct"]
-        assert rows[variant]["growth_excess_pct"] <= limit, (variant, rows[variant])
+        soak, footprint, cause = measured["soak"], measured["load"]["footprint_bytes"], measured["growth_cause"]
+        assert leak_verdict(soak, footprint, ran, cause) == measured["leak"]  # the same inputs the stage judged
+        assert leak_verdict(soak, footprint, strict, cause)["leak"] is False, (variant, measured["leak"])
+        assert rows[variant]["growth_excess_pct"] <= growth_limit, (variant, rows[variant])
 
 
 def test_evaluate_stage_per_variant(pipeline_run):

@@ -1,7 +1,8 @@
 """The tests on pytest-xdist workers (scripts/test.sh, docs/testing.md): how many, and in which groups. A group runs on
 one worker: the tests that share a costly session fixture (built once, not once per worker; the Ray tests go with
 `pipeline_run`'s: they count the machine's raylets, `ray stop --force` stops every cluster on it, and the fan-out tests
-compare against that run), else a test's file (a module's fixtures are built once). tests/conftest.py imports the hooks below, which is how pytest finds them."""
+compare against that run), else a test's file (a module's fixtures are built once). tests/conftest.py imports the
+hooks below, which is how pytest finds them."""
 
 from __future__ import annotations
 
@@ -13,16 +14,17 @@ from pathlib import Path
 
 import pytest
 
+PIPELINE_RUN = "pipeline_run"  # the whole-pipeline run's group, the Ray tests' too: the fan-out tests compare against it
 GROUP_OF_FIXTURE = {
-    "tests.conftest:pipeline_run": "pipeline_run",  # with the Ray tests: the fan-out tests compare against it
+    "tests.conftest:pipeline_run": PIPELINE_RUN,
     "tests.conftest:log_evidence": "log_evidence",
     "tests.conftest:direct_checkpoints": "library_checkpoints", "tests.conftest:ct_checkpoints": "library_checkpoints",
 }
 # The groups that took longest (CI's --durations, docs/testing.md) are handed out first, so that no worker starts a long
 # one when the others are done. Seconds under two workers on the 2-core AMD EPYC VM, every fixture built from nothing
-# (4787b12's tests; pipeline_run's group with the Ray tests merged in, as after them); a group not listed keeps its place.
+# (4787b12's tests; pipeline_run's group, the Ray tests merged in, from f471253's CI); a group not listed keeps its place.
 SECONDS_OF_GROUP = {
-    "pipeline_run": 1300, "tests/test_mlflow_server.py": 180, "tests/test_mlflow_ui.py": 130, "tests/test_endpoints.py": 115,
+    PIPELINE_RUN: 1200, "tests/test_mlflow_server.py": 180, "tests/test_mlflow_ui.py": 130, "tests/test_endpoints.py": 115,
     "tests/test_memory.py": 110, "tests/test_memory_attribution.py": 80, "tests/test_gpu_memory_check.py": 80,
     "tests/test_sandbox_token.py": 65, "tests/test_isolation.py": 55, "tests/test_gguf.py": 50, "log_evidence": 45,
     "tests/test_shadow.py": 40,
@@ -107,4 +109,4 @@ def group_of(item, fixtures: list[str]) -> str:
     """The item's group: its first grouped fixture's (module:name keys), else the Ray tests' (pipeline_run's: the
     fan-out tests compare their runs against it), else its file's."""
     return next((GROUP_OF_FIXTURE[k] for k in fixtures if k in GROUP_OF_FIXTURE), None) or \
-        ("pipeline_run" if item.get_closest_marker("ray") else item.nodeid.split("::", 1)[0])
+        (PIPELINE_RUN if item.get_closest_marker("ray") else item.nodeid.split("::", 1)[0])
