@@ -1,5 +1,5 @@
 """`lm_eval --model hf ... --log_samples`, run as a team would run it: the sample logs of tests/test_sample_logs.py and
-tests/test_baseline_log.py (tests/conftest.py, `log_evidence`) and of the end-to-end run's candidate judged from its
+tests/test_baseline_log.py (tests/tiny_chain.py, `log_evidence`) and of the end-to-end run's candidate judged from its
 log (`pipeline_run`); and the edits a hurried user makes to one."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from pipelines.core.params_sections import CompareParams, EvaluateParams
 from pipelines.evaluation import sample_logs
 
-# the plan the logs of `log_evidence` (tests/conftest.py) cover: generation (exact match) and multiple choice
+# the plan the logs of `log_evidence` (tests/tiny_chain.py) cover: generation (exact match) and multiple choice
 P = EvaluateParams(look_items=4, max_items=8, batch_size=8, fidelity_texts=4)
 DOMAINS = ["math", "chat", "code_comment"]
 COMPARE = CompareParams()

@@ -102,7 +102,8 @@ def source_file(path: Path) -> SourceFile:
 def reached(path: Path, name: str, seen: set | None = None, nodes: list | None = None) -> set[str]:
     """The pipelines modules definition `name` of `path` reaches: what its body imports, names or runs as a CLI verb
     or an isolated child's target, through the functions, constants and fixtures (its parameters) it uses, in its
-    file, in conftest.py and in the helpers under tests/ it imports. `nodes` collects those definitions."""
+    file, in conftest.py (the fixtures it imports too) and in the helpers under tests/ it imports. `nodes` collects
+    those definitions."""
     seen = set() if seen is None else seen
     if (path, name) in seen:
         return set()
@@ -111,8 +112,9 @@ def reached(path: Path, name: str, seen: set | None = None, nodes: list | None =
         return set().union(*(reached(path, n, seen, nodes) for n in source_file(path).defs))
     here, conftest = source_file(path), source_file(ROOT / "tests" / "conftest.py")
     node = here.defs.get(name) or conftest.defs.get(name)
-    if node is None:
-        return set()
+    if node is None:  # a fixture conftest.py imports (tests/tiny_chain.py's) is followed to its home
+        binding = conftest.bound.get(name)
+        return reached(binding[1], binding[2], seen, nodes) if binding and binding[0] == "helper" else set()
     if nodes is not None:
         nodes.append(node)
     home = path if name in here.defs else conftest.path

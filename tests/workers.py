@@ -17,7 +17,7 @@ import pytest
 PIPELINE_RUN = "pipeline_run"  # the whole-pipeline run's group, the Ray tests' too: the fan-out tests compare against it
 GROUP_OF_FIXTURE = {
     "tests.conftest:pipeline_run": PIPELINE_RUN,
-    "tests.conftest:log_evidence": "log_evidence",
+    "tests.tiny_chain:log_evidence": "log_evidence",
     "tests.conftest:direct_checkpoints": "library_checkpoints", "tests.conftest:ct_checkpoints": "library_checkpoints",
 }
 # The groups that took longest (CI's --durations, docs/testing.md) are handed out first, so that no worker starts a long
