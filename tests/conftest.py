@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.workers import (  # noqa: F401 - hooks: pytest finds them here
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # (before anything below imports Hugging Face code)
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from tests.tiny_chain import (  # noqa: E402, F401 - fixtures: pytest finds them here
+    log_evidence, tiny_calibration, tiny_model, tiny_params, tiny_variants)
+from tests.workers import (  # noqa: E402, F401 - hooks: pytest finds them here
     SECONDS_OF_GROUP, group_of, pytest_cmdline_main, pytest_configure, pytest_configure_node, pytest_unconfigure,
     pytest_xdist_auto_num_workers, pytest_xdist_node_collection_finished)
-from tests.tiny_chain import (  # noqa: F401 - fixtures: pytest finds them here
-    log_evidence, tiny_calibration, tiny_model, tiny_params, tiny_variants)
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -101,6 +101,9 @@ def _shipped_data() -> str:
 
 def content_key(name: str, code: Iterable[str], helpers: Iterable[str], inputs: Iterable[Path], settings: Any) -> str:
     """sha256 of everything an entry depends on (module docstring)."""
+    helpers = list(helpers)
+    if missing := [h for h in helpers if not (ROOT / h).is_file()]:  # (a renamed helper would key nothing)
+        raise FileNotFoundError(f"content cache {name!r}: helper {missing[0]} is not a file under {ROOT}")
     files = sorted({f for module in code for f in stage_code(module, ROOT)} | set(helpers))
     parts = [name, json.dumps(settings, sort_keys=True, default=str), _machine(), _shipped_data(),
              json.dumps(_digest_files([ROOT / f for f in files], ROOT), sort_keys=True),

@@ -64,6 +64,13 @@ def test_the_key_follows_the_code_the_named_module_imports_and_no_other(tmp_path
     assert content_cache.content_key("thing", ["compare"], [], [], None) != key
 
 
+def test_a_helper_that_is_not_a_file_stops_the_fixture_instead_of_keying_nothing(between_runs, tmp_path_factory):
+    built: list[Path] = []
+    with pytest.raises(FileNotFoundError, match="'thing': helper tests/renamed_helper.py is not a file"):
+        cached(tmp_path_factory, "thing", _builder(built), helpers=["tests/renamed_helper.py"])
+    assert built == []
+
+
 def test_an_entry_written_into_or_left_half_built_is_rebuilt(between_runs, tmp_path_factory):
     built: list[Path] = []
     value = cached(tmp_path_factory, "thing", _builder(built))

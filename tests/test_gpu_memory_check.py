@@ -274,7 +274,7 @@ def end_to_end(machine, tmp_path_factory) -> dict:
         return {"returncode": done.returncode, "stdout": done.stdout, "stderr": done.stderr,
                 "tree_unchanged": after == before, "out": folder / "out"}
 
-    shipped = [f for f in checkout_files(ROOT) if f.split("/")[0] in ("pipelines", "scripts")]
+    shipped = [f for f in checkout_files(ROOT) if f.split("/")[0] in ("pipelines", "scripts") and (ROOT / f).is_file()]
     return cached(tmp_path_factory, "gpu_check_end_to_end", build, helpers=[*shipped, "tests/test_gpu_memory_check.py"])
 
 

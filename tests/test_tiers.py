@@ -204,8 +204,12 @@ def test_only_what_a_test_uses_counts(tmp_path):
         "    subprocess.run([tool('quantgate'), 'route', 'lookup']); subprocess.run(['quantgate', '-v', 'shadow'])\n"
         "def test_b():\n    audit.main()\n"
         "import pipelines.fetch as fetched\n@pytest.fixture\ndef made():\n    fetched.main\n"
-        "def test_c(request):\n    request.getfixturevalue('made'); memory_report = {}; memory_report.get('x')\n")
+        "def test_c(request):\n    request.getfixturevalue('made'); memory_report = {}; memory_report.get('x')\n"
+        "def test_d(tiny_variants):\n    pass\n")
     assert reached(tmp_path / "test_x.py", "test_c") == {"pipelines.fetch"}  # a local dict is not the stage
+    # a fixture conftest.py imports (tests/tiny_chain.py's), followed through the fixtures it is built from
+    assert {"pipelines.quantize", "pipelines.calibrate", "pipelines.reference"} <= reached(tmp_path / "test_x.py",
+                                                                                          "test_d")
     got = reached(tmp_path / "test_x.py", "test_a")
     assert {"pipelines.evaluation.harness", "pipelines.compare", "pipelines.core.io", "pipelines.route",
             "pipelines.core.params_sections"} <= got  # P is EvaluateParams(...) in the helper

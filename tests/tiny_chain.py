@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]  # (conftest's; not imported from it: conftest imports this module)
-HERE = "tests/tiny_chain.py"  # what the entries below are keyed by (content_cache `helpers`)
+HERE = Path(__file__).resolve().relative_to(ROOT).as_posix()  # what the entries below are keyed by (`helpers`)
 
 
 # Small enough to train in seconds, shaped like the reference model: every linear width a multiple of 64
@@ -44,7 +44,7 @@ def tiny_model(tmp_path_factory, tiny_params) -> Path:
 
     os.chdir(ROOT)
     return cached(tmp_path_factory, "tiny_model", build, code=["reference"], helpers=[HERE],
-                  settings=TINY_REFERENCE, source=True)
+                  settings=tiny_params.model_dump(), source=True)
 
 
 @pytest.fixture(scope="session")
