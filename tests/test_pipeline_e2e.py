@@ -76,15 +76,16 @@ def test_memory_stage_per_variant_and_summary(pipeline_run):
     assert (repo / "results" / "plots" / "memory_over_rounds.png").is_file()
     # the small repository widens the memory limits (tests/chain_helpers.py, for the fan-out tests' side-by-side runs):
     # awq4's and gptq3's soaks, judged again by the stage's own rule at params.yaml's limits, are still clean
-    import yaml
+    import contextlib
 
-    from pipelines.core.params_sections import MemoryParams
+    from pipelines.core.params import load_params
     from pipelines.measure.verdict import leak_verdict
 
-    shipped = yaml.safe_load((ROOT / "params.yaml").read_text())
-    ran = MemoryParams(**yaml.safe_load((repo / "params.yaml").read_text())["memory"])
-    strict = ran.model_copy(update={"leak_tolerance_pct": shipped["memory"]["leak_tolerance_pct"]})
-    growth_limit = shipped["compare"]["policy"]["default"]["max_growth_excess_pct"]
+    shipped = load_params(ROOT / "params.yaml")
+    with contextlib.chdir(repo):  # (its candidates' paths are the copy's)
+        ran = load_params().memory
+    strict = ran.model_copy(update={"leak_tolerance_pct": shipped.memory.leak_tolerance_pct})
+    growth_limit = shipped.compare.policy["default"].max_growth_excess_pct
     for variant in ("awq4", "gptq3"):
         measured = json.loads((repo / "results" / "memory" / f"{variant}.json").read_text())
         soak, footprint, cause = measured["soak"], measured["load"]["footprint_bytes"], measured["growth_cause"]
